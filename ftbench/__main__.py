@@ -1,0 +1,3 @@
+from ftbench.cli import main
+
+main()

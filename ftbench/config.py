@@ -1,0 +1,186 @@
+"""Typed configuration: one dataclass per Hydra config group, registered in the ConfigStore.
+
+The YAML files in `conf/` fill these schemas; Hydra rejects unknown keys and wrong types
+while composing. Semantic checks that need several settings at once (pp versus layers,
+micro-batches versus the global batch, ...) live in `check()` and raise `ConfigError`,
+whose message names the setting and the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import uuid
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from ftbench.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """A model shape. `name` picks a spec from `models/specs.py`; other fields override it."""
+    name: str = "gpt-tiny"  # key of models.specs.MODEL_SPECS
+    layers: Optional[int] = None  # transformer blocks (None: from the spec)
+    hidden: Optional[int] = None  # model width (None: from the spec)
+    heads: Optional[int] = None  # attention heads (None: from the spec)
+    vocab: Optional[int] = None  # vocabulary size (None: from the spec)
+    seq_len: Optional[int] = None  # default sequence length (None: from the spec)
+
+
+@dataclass
+class HardwareConfig:
+    """One GPU kind and its links. Numbers are vendor peaks; `efficiency` is the calibration."""
+    name: str = "a100-40gb"  # profile name, for reports
+    peak_tflops: float = 312.0  # dense fp16/bf16 peak per GPU, TFLOP/s
+    efficiency: float = 0.5  # achieved fraction of peak for transformer ops: the one calibration factor per (model, hardware)
+    memory_gb: float = 40.0  # GPU memory, GB (1e9 bytes)
+    hbm_gbps: float = 1555.0  # GPU memory bandwidth, GB/s (bounds the optimizer step)
+    intra_node_gbps: float = 300.0  # per-GPU bandwidth to GPUs in the same node (NVLink), GB/s
+    inter_node_gbps: float = 25.0  # per-GPU bandwidth to other nodes (InfiniBand/Ethernet), GB/s
+    link_latency_us: float = 10.0  # fixed cost of one message, microseconds
+    storage_gbps: float = 2.0  # checkpoint storage bandwidth per node, GB/s
+    restart_s: float = 60.0  # time to restart the training processes and rebuild communicators, s
+
+
+@dataclass
+class ClusterConfig:
+    """The worker grid: node id = pipeline * pp + stage when gpus_per_node is 1."""
+    pp: int = 4  # pipeline stages per pipeline
+    dp: int = 2  # data-parallel pipelines
+    nodes: Optional[int] = None  # nodes in the job (None: pp*dp/gpus_per_node); strategies that pick their own shape use it
+    gpus_per_node: int = 1  # GPUs (workers) per node; a node failure takes all of them
+    spares: int = 0  # standby nodes that can replace failed ones
+    replacement_s: float = 45.0  # time for a replacement node to come up, s
+
+
+@dataclass
+class TrainConfig:
+    """What one run trains. Stops at `iterations` or `max_hours`, whichever comes first."""
+    iterations: int = 20  # training iterations (optimizer steps)
+    max_hours: Optional[float] = None  # stop after this many hours (simulated hours on sim)
+    microbatches: Optional[int] = None  # micro-batches per pipeline per iteration (None: global_batch/(dp*microbatch_size), else 8)
+    microbatch_size: int = 1  # samples per micro-batch
+    seq_len: Optional[int] = None  # tokens per sample (None: the model's seq_len)
+    global_batch: Optional[int] = None  # samples per iteration (None: dp*microbatches*microbatch_size); kept fixed under failures
+    lr: float = 1e-3  # AdamW learning rate (local/dist backends)
+    weight_decay: float = 0.0  # AdamW weight decay (local/dist backends)
+
+
+@dataclass
+class ScheduleConfig:
+    """The pipeline schedule generator for one iteration."""
+    name: str = "1f1b"  # gpipe | 1f1b | zb-h1
+
+
+@dataclass
+class BackendConfig:
+    """Which executor runs plans."""
+    name: str = "sim"  # sim | local | dist
+    memoize: bool = True  # sim: simulate each distinct plan once
+
+
+@dataclass
+class FailureEventConfig:
+    """One scripted membership change. Give `iteration` or `time_s`, not both."""
+    node: int = 0  # node id (worker id when gpus_per_node is 1)
+    iteration: Optional[int] = None  # the iteration during which it strikes
+    time_s: Optional[float] = None  # wall/simulated seconds since start
+    kind: str = "fail"  # fail | join
+
+
+@dataclass
+class FailuresConfig:
+    """Where failures come from. `kind` is set by the group option (failures=...)."""
+    kind: str = "none"  # none | scripted | interval | poisson | trace
+    events: List[FailureEventConfig] = field(default_factory=list)  # scripted: the events
+    every: Optional[str] = None  # interval: period, e.g. 30m, 6h, 1d
+    count: Optional[int] = None  # interval/poisson/trace: stop after this many failures (None: no limit)
+    mtbf_hours: Optional[float] = None  # poisson: mean time between failures of one node, hours
+    repair_hours: Optional[float] = None  # poisson: a failed node rejoins after this long (None: never)
+    path: Optional[str] = None  # trace: CSV of `milliseconds,add|remove,nodeN` rows
+    seed: Optional[int] = None  # RNG seed of interval/poisson (None: the run's seed)
+
+
+@dataclass
+class StrategyConfig:
+    """The fault-tolerance strategy. Strategy-specific schemas extend this."""
+    name: str = "none"  # key of strategies.REGISTRY
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases sink. Offline runs land in the run folder; `wandb sync` uploads them."""
+    mode: str = "${oc.env:WANDB_MODE,offline}"  # offline | online | disabled (default: $WANDB_MODE, else offline)
+    project: str = "ftbench"  # W&B project
+    entity: Optional[str] = None  # W&B entity (team or user); None: the default one
+    group: Optional[str] = None  # W&B group; None: one group per sweep (the sweep folder's name)
+
+
+@dataclass
+class ReportConfig:
+    """What the run draws into its folder."""
+    gantt: bool = True  # PNG Gantt chart of one simulated iteration
+    progress: bool = True  # progress bar on the console
+
+
+@dataclass
+class FTBenchConfig:
+    """The whole run. Group defaults are listed in conf/config.yaml."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    strategy: Any = field(default_factory=StrategyConfig)  # Any: each strategy brings its own schema
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    failures: FailuresConfig = field(default_factory=FailuresConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    seed: int = 0  # seeds data, failure draws and everything random
+
+
+# Strategy schemas, by strategy name; later strategies add theirs here.
+STRATEGY_SCHEMAS: dict[str, type] = {"none": StrategyConfig}
+
+GROUP_CHOICES = {
+    "backend": ("sim", "local", "dist"),
+    "schedule": ("gpipe", "1f1b", "zb-h1"),
+    "failures": ("none", "scripted", "interval", "poisson", "trace"),
+    "wandb.mode": ("offline", "online", "disabled"),
+}
+
+
+def register_configs() -> None:
+    """Put the schemas in Hydra's ConfigStore. Group YAML files are typed by the top-level
+    schema; strategies differ in fields, so each `conf/strategy/X.yaml` pulls its schema from
+    the `schema/strategy` group, kept apart so it is not offered as a strategy option."""
+    cs = ConfigStore.instance()
+    cs.store(name="ftbench_schema", node=FTBenchConfig)
+    for name, node in STRATEGY_SCHEMAS.items():
+        cs.store(group="schema/strategy", name=name, node=node)
+    if not OmegaConf.has_resolver("run_id"):
+        # A short random id per process (cached), so runs started in the same second get
+        # distinct folders.
+        OmegaConf.register_new_resolver("run_id", lambda: uuid.uuid4().hex[:4], use_cache=True)
+
+
+def parse_duration(text: str, setting: str) -> float:
+    """'90s', '30m', '6h', '2d' or a bare number of seconds -> seconds."""
+    units = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+    raw = str(text).strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if raw.endswith(suffix):
+            number = raw[: -len(suffix)]
+            break
+    else:
+        suffix, number = "s", raw
+    try:
+        seconds = float(number) * units[suffix]
+    except ValueError:
+        raise ConfigError(setting, f"'{text}' is not a duration",
+                          "write a number with a unit, e.g. 30m, 6h or 1d") from None
+    if seconds <= 0:
+        raise ConfigError(setting, f"'{text}' is not positive", "give a period above zero, e.g. 6h")
+    return seconds

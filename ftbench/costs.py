@@ -1,0 +1,175 @@
+"""Cost and memory model: op times, link times and per-worker memory, from a model shape and
+a hardware profile.
+
+Compute time is FLOPs / (peak x efficiency); `efficiency` is the one calibration factor per
+(model, hardware). Links are alpha-beta (latency + bytes / bandwidth) with no contention:
+point-to-point sends overlap compute; the gradient all-reduce is a ring. Memory is
+mixed-precision Adam (16 bytes per parameter: fp16 weights and gradients, fp32 master
+weights, first and second moments; ZeRO paper, Rajbhandari et al. 2020) plus stashed
+activations (Korthikanti et al. 2022, no recomputation). Not modelled: allocator
+fragmentation, the CUDA context, tensor parallelism.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ftbench.plan import LayerRange, Plan
+from ftbench.schedule import B, BW, F, OPT, W, Op
+from models.specs import ModelSpec
+
+ADAM_STATE_BYTES_PER_PARAM = 16
+ADAM_STEP_TRAFFIC_BYTES_PER_PARAM = 28  # read fp16 grad, r/w fp32 master, m, v; write fp16 weight
+GRAD_BYTES_PER_PARAM = 2  # fp16 gradients on the wire
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Costs of one stage for one micro-batch (times in seconds, sizes in bytes)."""
+    forward_s: float
+    backward_input_s: float
+    backward_weight_s: float
+    params: int
+    activation_bytes: float  # stashed from F until the backward
+    weight_stash_bytes: float  # the part W still needs after B
+
+
+class CostModel:
+    def __init__(self, spec: ModelSpec, hardware, microbatch_size: int, seq_len: int):
+        self.spec, self.hw = spec, hardware
+        self.b, self.s = microbatch_size, seq_len
+        self.flop_rate = hardware.peak_tflops * 1e12 * hardware.efficiency
+
+    def key(self) -> tuple:
+        hw = self.hw
+        return (self.spec, self.b, self.s, hw.peak_tflops, hw.efficiency, hw.hbm_gbps,
+                hw.intra_node_gbps, hw.inter_node_gbps, hw.link_latency_us, hw.memory_gb)
+
+    # -- compute ------------------------------------------------------------------------
+    @lru_cache(maxsize=None)
+    def stage(self, layers: LayerRange, first: bool, last: bool) -> StageCost:
+        spec, b, s = self.spec, self.b, self.s
+        n = layers[1] - layers[0]
+        f = n * spec.layer_forward_flops(b, s)
+        bi = n * spec.layer_backward_input_flops(b, s)
+        bw = n * spec.layer_backward_weight_flops(b, s)
+        params = n * spec.layer_params
+        act = n * spec.layer_activation_bytes(b, s)
+        wstash = n * spec.layer_weight_grad_stash_bytes(b, s)
+        if first:
+            params += spec.embedding_params
+        if last:  # final LayerNorm and the LM head (a copy of the tied embedding)
+            head = spec.head_forward_flops(b, s)
+            f, bi, bw = f + head, bi + head, bw + head
+            params += spec.head_params + spec.vocab * spec.hidden
+            act += spec.head_activation_bytes(b, s)
+            wstash += spec.boundary_bytes(b, s)
+        return StageCost(f / self.flop_rate, bi / self.flop_rate, bw / self.flop_rate,
+                         params, act, wstash)
+
+    def optimizer_s(self, params: int) -> float:
+        """Adam is memory-bound: its time is the state traffic over HBM bandwidth."""
+        return ADAM_STEP_TRAFFIC_BYTES_PER_PARAM * params / (self.hw.hbm_gbps * 1e9)
+
+    # -- communication ------------------------------------------------------------------
+    def link_s(self, nbytes: float, same_node: bool) -> float:
+        bw = self.hw.intra_node_gbps if same_node else self.hw.inter_node_gbps
+        return self.hw.link_latency_us * 1e-6 + nbytes / (bw * 1e9)
+
+    def boundary_s(self, same_node: bool) -> float:
+        """Sending a stage's output activation (or its gradient) to the next worker."""
+        return self.link_s(self.spec.boundary_bytes(self.b, self.s), same_node)
+
+    def allreduce_s(self, params: int, replicas: int, same_node: bool) -> float:
+        """Ring all-reduce of fp16 gradients: 2(n-1)/n of the bytes and 2(n-1) latencies."""
+        if replicas <= 1:
+            return 0.0
+        bw = self.hw.intra_node_gbps if same_node else self.hw.inter_node_gbps
+        nbytes = GRAD_BYTES_PER_PARAM * params
+        steps = 2 * (replicas - 1)
+        return steps * self.hw.link_latency_us * 1e-6 + steps / replicas * nbytes / (bw * 1e9)
+
+    # -- memory -------------------------------------------------------------------------
+    @property
+    def memory_bytes(self) -> float:
+        return self.hw.memory_gb * 1e9
+
+    # -- partition ----------------------------------------------------------------------
+    @lru_cache(maxsize=None)
+    def balanced_partition(self, stages: int) -> tuple[LayerRange, ...]:
+        """Contiguous layer ranges minimising the slowest stage's F+B+W time, with the
+        embedding on the first stage and the LM head on the last (the head costs about as
+        much as a few layers, so an even split would make the last stage the bottleneck)."""
+        L = self.spec.layers
+
+        def cost(i: int, j: int, k: int) -> float:
+            c = self.stage((i, j), k == 0, k == stages - 1)
+            return c.forward_s + c.backward_input_s + c.backward_weight_s
+
+        # best[k][j]: min over splits of layers [0, j) into stages 0..k-1 of the max stage cost
+        inf = float("inf")
+        best = [[inf] * (L + 1) for _ in range(stages + 1)]
+        cut = [[0] * (L + 1) for _ in range(stages + 1)]
+        best[0][0] = 0.0
+        for k in range(1, stages + 1):
+            for j in range(k, L - (stages - k) + 1):
+                for i in range(k - 1, j):
+                    value = max(best[k - 1][i], cost(i, j, k - 1))
+                    if value < best[k][j] - 1e-15:
+                        best[k][j], cut[k][j] = value, i
+        ranges, j = [], L
+        for k in range(stages, 0, -1):
+            i = cut[k][j]
+            ranges.append((i, j))
+            j = i
+        return tuple(reversed(ranges))
+
+
+class PlanCosts:
+    """The simulator's view of a plan: seconds per op and per transfer, bytes per stash."""
+
+    def __init__(self, model: CostModel, plan: Plan):
+        self.model, self.plan = model, plan
+
+    def key(self) -> tuple:
+        return (self.model.key(), self.plan.key())
+
+    def _stage(self, pipeline: int, stage: int) -> StageCost:
+        return self.model.stage(self.plan.layers(pipeline, stage), stage == 0,
+                                self.plan.is_last_stage(pipeline, stage))
+
+    def op_time(self, op: Op) -> float:
+        c = self._stage(op.pipeline, op.stage)
+        if op.kind == F:
+            return c.forward_s
+        if op.kind == B:
+            return c.backward_input_s
+        if op.kind == W:
+            return c.backward_weight_s
+        if op.kind == BW:
+            return c.backward_input_s + c.backward_weight_s
+        if op.kind == OPT:
+            return self.model.optimizer_s(c.params)
+        raise ValueError(f"no cost for {op}")
+
+    def transfer_time(self, src_worker: int, dst_worker: int) -> float:
+        if src_worker == dst_worker:
+            return 0.0
+        node = self.plan.node_of
+        return self.model.boundary_s(node[src_worker] == node[dst_worker])
+
+    def allreduce_time(self, stage: int, pipeline: int, workers: list[int]) -> float:
+        nodes = {self.plan.node_of[w] for w in workers}
+        return self.model.allreduce_s(self._stage(pipeline, stage).params, len(set(workers)),
+                                      len(nodes) == 1)
+
+    def stash_bytes(self, op: Op) -> float:
+        return self._stage(op.pipeline, op.stage).activation_bytes
+
+    def weight_stash_bytes(self, op: Op) -> float:
+        return self._stage(op.pipeline, op.stage).weight_stash_bytes
+
+    def static_bytes(self, worker: int) -> float:
+        """Weights, gradients and Adam state of every replica the worker keeps."""
+        return float(sum(ADAM_STATE_BYTES_PER_PARAM * self._stage(d, s).params
+                         for d, s in self.plan.holds.get(worker, ())))

@@ -1,0 +1,16 @@
+"""Errors the user can fix. The CLI prints them as one paragraph, without a traceback."""
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A run that cannot go on for a reason the user caused; `status` goes to summary.json."""
+
+    status = "error"
+
+
+class ConfigError(UserError):
+    """A setting with a bad value: says which setting, what is wrong, and how to fix it."""
+
+    def __init__(self, setting: str, problem: str, fix: str):
+        self.setting, self.problem, self.fix = setting, problem, fix
+        super().__init__(f"Invalid setting `{setting}`: {problem}. Fix: {fix}.")

@@ -1,0 +1,305 @@
+"""Failure scripts: which nodes fail (or join) and when.
+
+`build_failure_script` turns the `failures` config group into a `FailureScript`:
+
+- events tied to an iteration number (scripted runs only) come as a sorted list, and
+- events tied to a time come as a time-ordered iterator. It may be lazy and endless (poisson with
+  repair, interval without a count), so consumers pull events only up to their own horizon,
+  for example with `take_until`.
+
+Everything random is drawn from `random.Random(seed)`, so a seed always gives the same events.
+"""
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from ftbench.config import parse_duration
+from ftbench.errors import ConfigError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+TRACES_DIR = PROJECT_ROOT / "conf" / "traces"
+KINDS = ("none", "scripted", "interval", "poisson", "trace")
+EVENT_KINDS = ("fail", "join")
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    node: int  # node id
+    kind: str = "fail"  # "fail" | "join"
+    time_s: float | None = None  # set for time-based events
+    iteration: int | None = None  # set for iteration-based events (exactly one of the two is set)
+
+
+@dataclass
+class FailureScript:
+    by_iteration: list[FailureEvent]  # sorted by iteration (stable)
+    by_time: Iterator[FailureEvent]  # time-ordered, may be lazy and unbounded
+    initial_nodes: int | None = None  # trace only: nodes the trace starts with (adds at t=0)
+    description: str = ""  # one line for logs and reports
+
+
+def take_until(events: Iterable[FailureEvent], horizon_s: float) -> list[FailureEvent]:
+    """The events with time_s <= horizon_s, in order.
+
+    Pulls from the iterator until the first event past the horizon, which is consumed and
+    dropped: an endless stream cannot be peeked without it.
+    """
+    taken = []
+    for event in events:
+        if event.time_s is None or event.time_s > horizon_s:
+            break
+        taken.append(event)
+    return taken
+
+
+def build_failure_script(cfg, num_nodes: int, seed: int) -> FailureScript:
+    """The failure script for a `FailuresConfig` (or a DictConfig with the same fields)."""
+    kind = _get(cfg, "kind") or "none"
+    if kind not in KINDS:
+        raise ConfigError("failures", f"unknown kind '{kind}'",
+                          f"pick one of {', '.join(KINDS)}, e.g. failures=poisson")
+    events = list(_get(cfg, "events") or [])
+    if events and kind != "scripted":
+        raise ConfigError("failures.events", f"{len(events)} events are given but failures is '{kind}'",
+                          "add failures=scripted to use the events, or drop them")
+    count = _get(cfg, "count")
+    if count is not None and count < 0:
+        raise ConfigError("failures.count", f"{count} is negative",
+                          "give a number of failures >= 0, or null for no limit")
+    if _get(cfg, "seed") is not None:
+        seed = _get(cfg, "seed")  # a failures-specific seed overrides the run's seed
+
+    if kind == "none":
+        return FailureScript([], iter(()), description="no failures")
+    if kind == "scripted":
+        return _scripted(events, num_nodes)
+    if kind == "interval":
+        return _interval(cfg, num_nodes, seed, count)
+    if kind == "poisson":
+        return _poisson(cfg, num_nodes, seed, count)
+    return _trace(cfg, count)
+
+
+def _get(cfg, name):
+    # getattr with a default works for dataclasses and for DictConfig alike
+    # (OmegaConf's missing-key error is an AttributeError).
+    return getattr(cfg, name, None)
+
+
+def _limit(events: Iterator[FailureEvent], count: int | None) -> Iterator[FailureEvent]:
+    """Stop the stream right after its `count`-th fail event (None: no limit)."""
+    if count is None:
+        yield from events
+        return
+    if count == 0:
+        return
+    fails = 0
+    for event in events:
+        yield event
+        if event.kind == "fail":
+            fails += 1
+            if fails >= count:
+                return
+
+
+def _count_text(count: int | None) -> str:
+    return "" if count is None else f", at most {count} failures"
+
+
+# --- scripted ------------------------------------------------------------------------------
+
+def _scripted(events, num_nodes: int) -> FailureScript:
+    by_iteration, by_time = [], []
+    for i, ev in enumerate(events):
+        setting = f"failures.events[{i}]"
+        node, kind = _get(ev, "node"), _get(ev, "kind") or "fail"
+        iteration, time_s = _get(ev, "iteration"), _get(ev, "time_s")
+        if (iteration is None) == (time_s is None):
+            raise ConfigError(setting, "needs exactly one of `iteration` and `time_s`",
+                              f"write e.g. {{node: {node}, iteration: 10}} or {{node: {node}, time_s: 3600}}")
+        if kind not in EVENT_KINDS:
+            raise ConfigError(setting, f"kind '{kind}' is not fail or join", "use kind: fail or kind: join")
+        if node is None or node < 0:
+            raise ConfigError(setting, f"node {node} is not a node id", "give a node id >= 0")
+        # A join may name a new id (a node that was not in the job); a fail must hit an existing one.
+        if kind == "fail" and node >= num_nodes:
+            raise ConfigError(setting, f"node {node} fails but the cluster has nodes 0..{num_nodes - 1}",
+                              f"pick a node below {num_nodes}")
+        if iteration is not None:
+            if iteration < 0:
+                raise ConfigError(setting, f"iteration {iteration} is negative", "give an iteration >= 0")
+            by_iteration.append(FailureEvent(node=int(node), kind=kind, iteration=int(iteration)))
+        else:
+            if time_s < 0:
+                raise ConfigError(setting, f"time_s {time_s} is negative", "give a time >= 0 s")
+            by_time.append(FailureEvent(node=int(node), kind=kind, time_s=float(time_s)))
+    # sorted() is stable: events at the same iteration/time keep the order they were written in.
+    by_iteration.sort(key=lambda e: e.iteration)
+    by_time.sort(key=lambda e: e.time_s)
+    return FailureScript(by_iteration, iter(by_time),
+                         description=f"scripted, {len(by_iteration)} events by iteration, "
+                                     f"{len(by_time)} by time")
+
+
+# --- interval ------------------------------------------------------------------------------
+
+def _interval(cfg, num_nodes: int, seed: int, count: int | None) -> FailureScript:
+    every = _get(cfg, "every")
+    if every is None:
+        raise ConfigError("failures.every", "interval failures need a period",
+                          "set it, e.g. failures=interval failures.every=6h")
+    period_s = parse_duration(every, "failures.every")
+    description = f"interval, one node every {every}, {num_nodes} nodes{_count_text(count)}"
+    return FailureScript([], _interval_events(period_s, num_nodes, seed, count), description=description)
+
+
+def _interval_events(period_s: float, num_nodes: int, seed: int, count: int | None):
+    rng = random.Random(seed)
+    alive = list(range(num_nodes))
+    limit = num_nodes if count is None else min(count, num_nodes)
+    for k in range(1, limit + 1):
+        # Uniform pick among the nodes still up; swap-remove keeps each pick O(1).
+        i = rng.randrange(len(alive))
+        alive[i], alive[-1] = alive[-1], alive[i]
+        # k * period rather than a running sum: no drift from adding floats.
+        yield FailureEvent(node=alive.pop(), kind="fail", time_s=k * period_s)
+
+
+# --- poisson -------------------------------------------------------------------------------
+
+def _poisson(cfg, num_nodes: int, seed: int, count: int | None) -> FailureScript:
+    mtbf_hours, repair_hours = _get(cfg, "mtbf_hours"), _get(cfg, "repair_hours")
+    if mtbf_hours is None:
+        raise ConfigError("failures.mtbf_hours", "poisson failures need the MTBF of one node",
+                          "set it, e.g. failures=poisson failures.mtbf_hours=5000")
+    if mtbf_hours <= 0:
+        raise ConfigError("failures.mtbf_hours", f"{mtbf_hours} is not positive",
+                          "give the mean hours between failures of one node, e.g. 5000")
+    if repair_hours is not None and repair_hours <= 0:
+        raise ConfigError("failures.repair_hours", f"{repair_hours} is not positive",
+                          "give the hours until a failed node is back, e.g. 2, or null for never")
+    repair = "no repair" if repair_hours is None else f"repair {repair_hours:g} h"
+    description = (f"poisson, MTBF {mtbf_hours:g} h per node, {num_nodes} nodes, {repair}"
+                   f"{_count_text(count)}")
+    repair_s = None if repair_hours is None else repair_hours * 3600.0
+    events = _poisson_events(mtbf_hours * 3600.0, repair_s, num_nodes, seed)
+    return FailureScript([], _limit(events, count), description=description)
+
+
+def _poisson_events(mtbf_s: float, repair_s: float | None, num_nodes: int, seed: int):
+    """Every node is its own renewal process; a heap merges them lazily in time order.
+
+    The heap holds one pending event per node, so memory is O(nodes) and each event costs
+    O(log nodes), however far the consumer reads.
+    """
+    rng = random.Random(seed)
+    rate = 1.0 / mtbf_s
+    # (time, node, kind): node ids are unique in the heap, so ties never compare the kind.
+    heap = [(rng.expovariate(rate), node, "fail") for node in range(num_nodes)]
+    heapq.heapify(heap)
+    while heap:
+        t, node, kind = heapq.heappop(heap)
+        yield FailureEvent(node=node, kind=kind, time_s=t)
+        if kind == "fail" and repair_s is not None:
+            heapq.heappush(heap, (t + repair_s, node, "join"))
+        elif kind == "join":
+            # Memoryless: a repaired node fails again after a fresh exponential time.
+            heapq.heappush(heap, (t + rng.expovariate(rate), node, "fail"))
+        # Without repair a failed node stays down: nothing more for it.
+
+
+# --- trace ---------------------------------------------------------------------------------
+
+def _trace(cfg, count: int | None) -> FailureScript:
+    path = _get(cfg, "path")
+    if not path:
+        raise ConfigError("failures.path", "trace failures need a trace file",
+                          "set it, e.g. failures=trace failures.path=6h.csv")
+    resolved = _resolve_trace(str(path))
+    initial, events = read_trace(resolved)
+    fails = sum(e.kind == "fail" for e in events)
+    joins = len(events) - fails
+    description = (f"trace {resolved.name}, {initial} nodes at start, {fails} fails, {joins} joins"
+                   f"{_count_text(count)}")
+    return FailureScript([], _limit(iter(events), count), initial_nodes=initial, description=description)
+
+
+def _resolve_trace(path: str) -> Path:
+    """As given (relative to the current folder), then in conf/traces/, then in the project root."""
+    given = Path(path).expanduser()
+    candidates = [given] if given.is_absolute() else [given, TRACES_DIR / given, PROJECT_ROOT / given]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.name for p in TRACES_DIR.glob("*.csv")) if TRACES_DIR.is_dir() else []
+    raise ConfigError("failures.path", f"trace file '{path}' not found",
+                      f"give a path to a CSV file or one of the files in {TRACES_DIR}: "
+                      f"{', '.join(known) or '(none)'}")
+
+
+def read_trace(path) -> tuple[int, list[FailureEvent]]:
+    """Read `milliseconds,add|remove,nodeN` rows -> (nodes at t=0, later events in time order).
+
+    Node names get ids 0, 1, ... in order of first appearance. Adds at t=0 are the starting
+    membership and make no events; later removes are "fail" and later adds are "join" events.
+    """
+    path = Path(path)
+    ids: dict[str, int] = {}
+    up: set[int] = set()
+    initial = 0
+    events: list[FailureEvent] = []
+    last_ms = 0.0
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
+    except OSError as err:
+        raise ConfigError("failures.path", f"cannot read '{path}': {err.strerror}",
+                          "give a readable CSV trace file") from None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line:
+            continue
+
+        def bad(problem: str) -> ConfigError:
+            return ConfigError("failures.path", f"{path}, line {number}: {problem} (row '{line}')",
+                               "write rows as `milliseconds,add|remove,nodeN`, no header")
+
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 3:
+            raise bad(f"{len(fields)} fields instead of 3")
+        ms_text, action, name = fields
+        try:
+            ms = float(ms_text)
+        except ValueError:
+            raise bad(f"'{ms_text}' is not a number of milliseconds") from None
+        if not ms >= 0:  # also rejects nan
+            raise bad(f"time {ms_text} is negative")
+        if ms < last_ms:
+            raise bad(f"time {ms_text} is earlier than the row before")
+        if action not in ("add", "remove"):
+            raise bad(f"'{action}' is neither add nor remove")
+        if not name:
+            raise bad("the node name is empty")
+        node = ids.setdefault(name, len(ids))
+        # A trace that removes an absent node or adds a present one would confuse membership.
+        if action == "add":
+            if node in up:
+                raise bad(f"{name} is added while already present")
+            up.add(node)
+            if ms == 0:
+                initial += 1
+            else:
+                events.append(FailureEvent(node=node, kind="join", time_s=ms / 1000.0))
+        else:
+            if node not in up:
+                raise bad(f"{name} is removed while not present")
+            up.discard(node)
+            events.append(FailureEvent(node=node, kind="fail", time_s=ms / 1000.0))
+        last_ms = ms
+    if initial == 0 and not events:
+        raise ConfigError("failures.path", f"trace '{path}' has no rows",
+                          "give a CSV with `milliseconds,add|remove,nodeN` rows")
+    return initial, events

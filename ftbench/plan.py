@@ -1,0 +1,55 @@
+"""A plan: which worker holds which layers, where workers sit, and the iteration's schedule.
+
+Strategies produce plans; backends execute them. A plan is data, so it can be hashed
+(the simulator memoises per plan), drawn, validated and compared.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ftbench.schedule import OPT, Schedule, grid_worker
+
+LayerRange = tuple[int, int]  # [first, end) transformer blocks
+
+
+@dataclass
+class Plan:
+    schedule: Schedule
+    partition: tuple[tuple[LayerRange, ...], ...]  # per pipeline, per stage: its layer range
+    holds: dict[int, tuple[tuple[int, int], ...]]  # worker -> (pipeline, stage) replicas whose weights and optimizer state it keeps
+    node_of: dict[int, int]  # worker -> node (placement; decides intra- or inter-node links)
+    name: str = ""
+    _key: tuple | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def workers(self) -> list[int]:
+        return self.schedule.workers
+
+    def layers(self, pipeline: int, stage: int) -> LayerRange:
+        return self.partition[pipeline][stage]
+
+    def is_last_stage(self, pipeline: int, stage: int) -> bool:
+        return stage == self.schedule.stages[pipeline] - 1
+
+    def key(self) -> tuple:
+        if self._key is None:
+            holds = tuple(sorted(self.holds.items()))
+            self._key = (self.schedule.key(), self.partition, holds,
+                         tuple(sorted(self.node_of.items())))
+        return self._key
+
+
+def holds_from_schedule(schedule: Schedule) -> dict[int, tuple[tuple[int, int], ...]]:
+    """By default a worker keeps the state of every replica it steps the optimizer of."""
+    return {w: tuple((op.pipeline, op.stage) for op in ops if op.kind == OPT)
+            for w, ops in schedule.ops.items()}
+
+
+def grid_plan(schedule: Schedule, stage_layers: tuple[LayerRange, ...], pp: int,
+              gpus_per_node: int, name: str = "") -> Plan:
+    """The regular pp x dp grid: worker = pipeline * pp + stage, node = worker // gpus_per_node."""
+    dp = len(schedule.stages)
+    workers = [grid_worker(d, s, pp) for d in range(dp) for s in range(pp)]
+    return Plan(schedule=schedule, partition=(stage_layers,) * dp,
+                holds=holds_from_schedule(schedule),
+                node_of={w: w // gpus_per_node for w in workers}, name=name or schedule.name)

@@ -1,0 +1,142 @@
+"""One run, from a composed config to a run folder: metrics.jsonl, summary.json, gantt.png.
+
+Backend-independent: it resolves the config, builds the cluster, failure script and
+strategy, hands them to the backend, and writes the outputs. A user error (bad setting,
+impossible plan, OOM) becomes `status` and `error` in summary.json, never a lost run.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from ftbench.cluster import Cluster
+from ftbench.context import RunContext
+from ftbench.errors import ConfigError, UserError
+from ftbench.failures import build_failure_script
+from ftbench.metrics import MetricsWriter, WandbSink, write_summary
+from ftbench.report import format_summary, plot_gantt
+from ftbench.sim.runner import SimCache, run_simulation
+from strategies import build_strategy
+
+AVAILABLE_BACKENDS = ("sim",)
+
+
+def execute(cfg, run_dir: Path | str, wandb_group: str | None = None, echo=print) -> dict:
+    """Run `cfg` into `run_dir` and return the summary (also written to summary.json)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    summary = _base_summary(cfg)
+    started = time.perf_counter()
+    sink = None
+    with MetricsWriter(run_dir) as metrics:
+        try:
+            sink = WandbSink(cfg.wandb, run_dir, name=run_dir.name, job_type=str(cfg.strategy.name),
+                             group=wandb_group, config=OmegaConf.to_container(cfg, resolve=True))
+
+            def log(record: dict) -> None:
+                metrics.log(record)
+                sink.log(record)
+
+            summary.update(_run(cfg, run_dir, log))
+        except UserError as err:
+            summary.update(status=err.status, error=str(err))
+            metrics.log({"event": "error", "status": err.status, "error": str(err)})
+        except Exception as err:  # a bug, not a user error: keep the evidence, then re-raise
+            summary.update(status="error", error=f"{type(err).__name__}: {err}")
+            (run_dir / "error.txt").write_text(traceback.format_exc())
+            metrics.log({"event": "error", "status": "error", "error": summary["error"]})
+            _finish(run_dir, summary, started, sink)
+            raise
+    _finish(run_dir, summary, started, sink)
+    echo(format_summary(summary))
+    return summary
+
+
+def _finish(run_dir: Path, summary: dict, started: float, sink) -> None:
+    summary["wall_s"] = time.perf_counter() - started
+    summary["run_dir"] = str(run_dir)
+    write_summary(run_dir, summary)
+    if sink is not None:
+        sink.finish(summary)
+
+
+def _base_summary(cfg) -> dict:
+    """Summary keys known before anything runs, so even a config error leaves a full summary."""
+    return {"strategy": cfg.strategy.name, "backend": cfg.backend.name, "model": cfg.model.name,
+            "hardware": cfg.hardware.name, "schedule": cfg.schedule.name, "dp": cfg.cluster.dp,
+            "pp": cfg.cluster.pp, "microbatches": cfg.train.microbatches, "global_batch": cfg.train.global_batch,
+            "iterations": 0, "samples": 0, "time_s": 0.0, "throughput": 0.0, "failures": 0,
+            "recoveries": [], "peak_memory_bytes": [], "status": "error", "error": None, "seed": cfg.seed}
+
+
+def _run(cfg, run_dir: Path, log) -> dict:
+    ctx = RunContext.from_config(cfg)
+    cluster = Cluster.from_config(cfg.cluster)
+    seed = cfg.failures.seed if cfg.failures.seed is not None else cfg.seed
+    script = build_failure_script(cfg.failures, cluster.nodes, seed)
+    if script.initial_nodes is not None and script.initial_nodes != cluster.nodes:
+        raise ConfigError("failures.path", f"the trace starts with {script.initial_nodes} nodes but the cluster has "
+                          f"{cluster.nodes}", f"set cluster.nodes={script.initial_nodes} (with a grid that fits) "
+                          "or replay another trace")
+    if ctx.backend not in AVAILABLE_BACKENDS:
+        raise ConfigError("backend", f"backend '{ctx.backend}' is not implemented yet",
+                          f"use one of {', '.join(AVAILABLE_BACKENDS)}")
+    strategy = build_strategy(cfg.strategy, ctx)
+    log({"event": "start", "failures": script.description, "microbatches": ctx.microbatches,
+         "global_batch": ctx.global_batch, "nodes": cluster.nodes})
+
+    cache = SimCache(ctx.cost_model, enabled=cfg.backend.memoize)
+    with _progress(ctx, cfg.report.progress) as progress:
+        outcome = run_simulation(ctx, strategy, cluster, script, cache, log, progress)
+    first = outcome.first_result
+    if first is not None and cfg.report.gantt:
+        _draw_gantt(first, run_dir, cfg, ctx)
+    samples = outcome.iterations * ctx.global_batch
+    log({"event": "end", "status": outcome.status, "iterations": outcome.iterations, "time_s": outcome.time_s})
+    return {
+        "microbatches": ctx.microbatches, "global_batch": ctx.global_batch, "seq_len": ctx.seq_len,
+        "iterations": outcome.iterations, "samples": samples, "time_s": outcome.time_s,
+        "throughput": samples / outcome.time_s if outcome.time_s > 0 else 0.0,
+        "failures": outcome.failures, "recoveries": outcome.recoveries,
+        "lost_iterations": sum(r.get("lost_iterations", 0) for r in outcome.recoveries),
+        "peak_memory_bytes": [int(outcome.peak_memory_bytes[w]) for w in sorted(outcome.peak_memory_bytes)],
+        "status": outcome.status, "error": outcome.error,
+        "iteration_time_s": first.iteration_time if first else None,
+        "bubble_fraction": first.bubble_fraction() if first else None,
+        "plans_simulated": cache.distinct_plans, "failure_script": script.description,
+        "model_parameters": ctx.spec.parameters,
+    }
+
+
+def _draw_gantt(result, run_dir: Path, cfg, ctx) -> None:
+    title = (f"{ctx.spec.name}, {cfg.schedule.name}, pp={cfg.cluster.pp} dp={cfg.cluster.dp}, "
+             f"m={ctx.microbatches}, {cfg.hardware.name}: one iteration {result.iteration_time:.3g} s")
+    try:
+        plot_gantt(result.timeline(), run_dir / "gantt.png", title=title)
+    except Exception as err:  # a plot must never cost the run its results
+        warnings.warn(f"could not draw the Gantt chart: {err}")
+
+
+class _progress:
+    """tqdm over iterations when stderr is a terminal; a no-op callable otherwise."""
+
+    def __init__(self, ctx, enabled: bool):
+        self.ctx, self.enabled, self.bar = ctx, enabled, None
+
+    def __enter__(self):
+        if self.enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.ctx.iterations, unit="it", desc="simulating", disable=None, leave=False)
+        return self
+
+    def __call__(self, iteration: int) -> None:
+        if self.bar is not None:
+            self.bar.update(iteration - self.bar.n)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,164 @@
+"""A whole simulated run: jump from one membership event to the next.
+
+Between events the plan does not change, so every iteration takes the plan's (memoised)
+iteration time and the run advances by whole iterations at once; that is what makes
+simulating weeks of training on thousands of GPUs take seconds. An event loses the
+iteration in flight; the strategy's recovery then says what else is lost and what plan
+comes next.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ftbench.cluster import Cluster
+from ftbench.costs import PlanCosts
+from ftbench.failures import FailureEvent, FailureScript
+from ftbench.plan import Plan
+from ftbench.sim.simulator import SimResult, simulate
+
+# A failure scripted "at iteration k" strikes this far into iteration k.
+ITERATION_EVENT_FRACTION = 0.5
+
+
+class SimCache:
+    """Memoises the simulation of each distinct plan."""
+
+    def __init__(self, cost_model, enabled: bool = True):
+        self.cost_model, self.enabled = cost_model, enabled
+        self._results: dict[tuple, SimResult] = {}
+        self._by_id: dict[int, tuple[Plan, SimResult]] = {}
+        self.simulations = 0
+
+    def __call__(self, plan: Plan) -> SimResult:
+        hit = self._by_id.get(id(plan))
+        if self.enabled and hit is not None and hit[0] is plan:
+            return hit[1]
+        key = plan.key() if self.enabled else None
+        result = self._results.get(key) if self.enabled else None
+        if result is None:
+            result = simulate(plan.schedule, PlanCosts(self.cost_model, plan))
+            self.simulations += 1
+            if self.enabled:
+                self._results[key] = result
+        self._by_id[id(plan)] = (plan, result)
+        return result
+
+    @property
+    def distinct_plans(self) -> int:
+        return len(self._results) if self.enabled else self.simulations
+
+
+@dataclass
+class SimOutcome:
+    status: str = "ok"
+    error: str | None = None
+    iterations: int = 0
+    time_s: float = 0.0
+    failures: int = 0
+    recoveries: list[dict] = field(default_factory=list)
+    peak_memory_bytes: dict[int, float] = field(default_factory=dict)
+    first_result: SimResult | None = None
+
+
+class _Events:
+    """Merges iteration-scripted and time-ordered events as the run reaches them."""
+
+    def __init__(self, script: FailureScript):
+        self.by_iteration = list(script.by_iteration)
+        self.by_time = iter(script.by_time)
+        self._next_timed = next(self.by_time, None)
+
+    def next_time(self, t: float, iteration: int, iteration_time: float) -> float:
+        candidates = [math.inf]
+        if self._next_timed is not None:
+            candidates.append(max(self._next_timed.time_s, t))
+        if self.by_iteration:
+            k = self.by_iteration[0].iteration
+            candidates.append(t + max(k - iteration + ITERATION_EVENT_FRACTION, 0.0) * iteration_time)
+        return min(candidates)
+
+    def pop(self, t_event: float) -> FailureEvent:
+        if self._next_timed is not None and self._next_timed.time_s <= t_event:
+            event, self._next_timed = self._next_timed, next(self.by_time, None)
+            return event
+        return self.by_iteration.pop(0)
+
+
+def run_simulation(ctx, strategy, cluster: Cluster, script: FailureScript, cache: SimCache,
+                   log, progress=None) -> SimOutcome:
+    """Drive `strategy` through `script` on the simulator. `log(record)` gets every metrics line."""
+    out = SimOutcome()
+    horizon = ctx.max_hours * 3600.0 if ctx.max_hours is not None else math.inf
+    events = _Events(script)
+    plan = strategy.plan(cluster)
+    t, it = 0.0, 0
+    while it < ctx.iterations and t < horizon:
+        result = cache(plan)
+        if out.first_result is None:
+            out.first_result = result
+        if not _fits_memory(result, ctx, out, log, t, it):
+            break
+        T = result.iteration_time
+        if T <= 0:
+            raise ValueError(f"plan {plan.name!r} has a zero iteration time")
+        t_event = events.next_time(t, it, T)
+        n = min(ctx.iterations - it, _whole(t_event - t, T), _whole(horizon - t, T))
+        if n > 0:
+            log({"event": "iterations", "first": it, "last": it + n - 1, "count": n, "iteration_time_s": T,
+                 "time_s": t + n * T, "samples": (it + n) * ctx.global_batch, "plan": plan.name})
+            it, t = it + n, t + n * T
+            if progress is not None:
+                progress(it)
+        if it >= ctx.iterations:
+            break
+        if t_event < min(t + T, horizon):
+            # The event strikes during iteration `it`: that iteration's work is lost.
+            event = events.pop(t_event)
+            t = max(t, t_event)
+            plan = _membership_change(event, strategy, cluster, ctx, out, log, t, it) or plan
+            if out.status != "ok":
+                break
+        elif t + T > horizon:
+            break  # the next iteration would not finish before train.max_hours
+    out.iterations, out.time_s = it, t
+    return out
+
+
+def _whole(span: float, T: float) -> int:
+    """Whole iterations of length T that end within `span` (robust to float rounding)."""
+    if math.isinf(span):
+        return 2**62
+    return max(int(math.floor(span / T + 1e-9)), 0) if T > 0 else 2**62
+
+
+def _membership_change(event, strategy, cluster, ctx, out, log, t, it):
+    if event.kind == "fail":
+        if not cluster.is_alive(event.node):
+            return None  # already down: nothing changes
+        cluster.fail(event.node)
+        out.failures += 1
+    else:
+        cluster.join(event.node)
+    log({"event": event.kind, "node": event.node, "time_s": t, "iteration": it})
+    recovery = strategy.on_event(event, cluster, it)
+    if recovery.unrecoverable:
+        out.status, out.error = "unrecoverable", recovery.unrecoverable
+        log({"event": "unrecoverable", "time_s": t, "iteration": it, "reason": recovery.unrecoverable})
+    return recovery.plan
+
+
+def _fits_memory(result: SimResult, ctx, out: SimOutcome, log, t: float, it: int) -> bool:
+    for w, peak in result.peak_memory_bytes.items():
+        out.peak_memory_bytes[w] = max(out.peak_memory_bytes.get(w, 0.0), peak)
+    capacity = ctx.cost_model.memory_bytes
+    worker, peak = max(result.peak_memory_bytes.items(), key=lambda kv: kv[1])
+    if peak <= capacity:
+        return True
+    out.status = "oom"
+    out.error = (f"out of memory: worker {worker} needs {peak / 1e9:.1f} GB (weights, gradients and Adam state "
+                 f"{(peak - result.peak_activation_bytes[worker]) / 1e9:.1f} GB + stashed activations "
+                 f"{result.peak_activation_bytes[worker] / 1e9:.1f} GB) but hardware={ctx.hardware.name} has "
+                 f"{ctx.hardware.memory_gb:g} GB; raise cluster.pp, lower train.microbatch_size or pick a larger GPU")
+    log({"event": "oom", "time_s": t, "iteration": it, "worker": worker, "bytes": peak})
+    return False

@@ -1,0 +1,29 @@
+"""The Strategy protocol: a strategy is a plan for the current membership plus the recovery
+actions it takes when membership changes. Backends execute both; they hold no strategy logic."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ftbench.cluster import Cluster
+from ftbench.failures import FailureEvent
+from ftbench.plan import Plan
+
+
+@dataclass
+class Recovery:
+    """What a strategy does about a membership change."""
+    actions: list[Any] = field(default_factory=list)  # recovery actions, as data; the backend charges/executes them
+    plan: Plan | None = None  # the plan to continue with (None: keep the current one)
+    lost_iterations: int = 0  # completed iterations that must be redone (rolled back)
+    unrecoverable: str | None = None  # set when training cannot go on: why
+
+
+class Strategy(Protocol):
+    name: str
+
+    def plan(self, cluster: Cluster) -> Plan:
+        """The plan for the cluster's current membership."""
+
+    def on_event(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
+        """React to a failure or join that the cluster already reflects."""

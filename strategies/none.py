@@ -1,0 +1,29 @@
+"""`none`: fault-free training with no fault tolerance, the baseline every strategy is compared
+with. Its plan is the plain pp x dp grid under the configured schedule; a failure of a node
+that runs a worker ends the run ("unrecoverable"). Failures of idle standby nodes and joins
+change nothing."""
+from __future__ import annotations
+
+from ftbench.cluster import Cluster
+from ftbench.failures import FailureEvent
+from ftbench.plan import Plan
+from strategies.base import Recovery
+from ftbench.context import RunContext
+
+
+class NoFaultTolerance:
+    name = "none"
+
+    def __init__(self, cfg, ctx: RunContext):
+        self.ctx = ctx
+
+    def plan(self, cluster: Cluster) -> Plan:
+        return self.ctx.grid_plan(cluster.pp, cluster.dp, cluster.gpus_per_node)
+
+    def on_event(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
+        in_use = any(w < cluster.pp * cluster.dp for w in cluster.workers_on(event.node))
+        if event.kind == "fail" and in_use:
+            return Recovery(unrecoverable=(
+                f"node {event.node} failed during iteration {iteration} and strategy `none` has no "
+                "fault tolerance; pick a strategy that recovers (e.g. strategy=checkpoint) to train through failures"))
+        return Recovery()
