@@ -56,6 +56,11 @@ def take_until(events: Iterable[FailureEvent], horizon_s: float) -> list[Failure
     return taken
 
 
+# Settings that only one kind of script reads.
+OWNED_SETTINGS = {"events": "scripted", "every": "interval", "mtbf_hours": "poisson",
+                  "repair_hours": "poisson", "path": "trace"}
+
+
 def build_failure_script(cfg, num_nodes: int, seed: int) -> FailureScript:
     """The failure script for a `FailuresConfig` (or a DictConfig with the same fields)."""
     kind = _get(cfg, "kind") or "none"
@@ -63,9 +68,11 @@ def build_failure_script(cfg, num_nodes: int, seed: int) -> FailureScript:
         raise ConfigError("failures", f"unknown kind '{kind}'",
                           f"pick one of {', '.join(KINDS)}, e.g. failures=poisson")
     events = list(_get(cfg, "events") or [])
-    if events and kind != "scripted":
-        raise ConfigError("failures.events", f"{len(events)} events are given but failures is '{kind}'",
-                          "add failures=scripted to use the events, or drop them")
+    for field, owner in OWNED_SETTINGS.items():
+        if _get(cfg, field) not in (None, []) and kind != owner:
+            # e.g. `failures.every=6h` alone would otherwise silently run without failures
+            raise ConfigError(f"failures.{field}", f"it is set but failures is '{kind}', which ignores it",
+                              f"add failures={owner} to use it, or drop it")
     count = _get(cfg, "count")
     if count is not None and count < 0:
         raise ConfigError("failures.count", f"{count} is negative",
