@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftbench.config import GROUP_CHOICES
+from omegaconf import DictConfig, OmegaConf
+
+from ftbench.config import GROUP_CHOICES, HardwareConfig
 from ftbench.costs import CostModel
 from ftbench.errors import ConfigError
 from ftbench.plan import Plan, grid_plan
@@ -18,7 +20,7 @@ from models.specs import ModelSpec, resolve_model
 @dataclass
 class RunContext:
     spec: ModelSpec
-    hardware: object  # HardwareConfig (or its DictConfig)
+    hardware: HardwareConfig
     cost_model: CostModel
     backend: str
     schedule_name: str
@@ -50,8 +52,9 @@ class RunContext:
             raise ConfigError("train.seq_len", f"{seq_len} is longer than {spec.name}'s context of {spec.seq_len} tokens",
                               f"use train.seq_len <= {spec.seq_len} or raise model.seq_len")
         microbatches, global_batch = _batch(t, cfg.cluster.dp)
-        return cls(spec=spec, hardware=cfg.hardware,
-                   cost_model=CostModel(spec, cfg.hardware, t.microbatch_size, seq_len),
+        hardware = _plain(cfg.hardware)  # the cost model reads it in hot loops: no DictConfig there
+        return cls(spec=spec, hardware=hardware,
+                   cost_model=CostModel(spec, hardware, t.microbatch_size, seq_len),
                    backend=cfg.backend.name, schedule_name=cfg.schedule.name,
                    microbatches=microbatches, microbatch_size=t.microbatch_size, seq_len=seq_len,
                    global_batch=global_batch, iterations=t.iterations, max_hours=t.max_hours,
@@ -61,6 +64,10 @@ class RunContext:
         """The regular grid under the configured (or given) schedule, layers balanced over stages."""
         sched = generate(schedule or self.schedule_name, pp, self.microbatches, dp)
         return grid_plan(sched, self.cost_model.balanced_partition(pp), pp, gpus_per_node)
+
+
+def _plain(node):
+    return OmegaConf.to_object(node) if isinstance(node, DictConfig) else node
 
 
 def _positive(setting: str, value) -> None:

@@ -25,5 +25,5 @@ class NoFaultTolerance:
         if event.kind == "fail" and in_use:
             return Recovery(unrecoverable=(
                 f"node {event.node} failed during iteration {iteration} and strategy `none` has no "
-                "fault tolerance; pick a strategy that recovers (e.g. strategy=checkpoint) to train through failures"))
+                "fault tolerance; it is the fault-free baseline, so run a fault-tolerant strategy to train through failures"))
         return Recovery()
