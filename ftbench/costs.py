@@ -163,6 +163,14 @@ class PlanCosts:
         return self.model.allreduce_s(self._stage(pipeline, stage).params, len(set(workers)),
                                       len(nodes) == 1)
 
+    def pipeline_signature(self, pipeline: int, workers: list[int]) -> tuple:
+        """What decides a self-contained pipeline's timing and memory besides its op order:
+        its layer split, which hops stay within a node, and the state each worker keeps."""
+        node = self.plan.node_of
+        hops = tuple(node[a] == node[b] for a, b in zip(workers, workers[1:]))
+        holds = tuple(tuple((d == pipeline, s) for d, s in self.plan.holds.get(w, ())) for w in workers)
+        return (self.plan.partition[pipeline], hops, holds)
+
     def stash_bytes(self, op: Op) -> float:
         return self._stage(op.pipeline, op.stage).activation_bytes
 

@@ -58,8 +58,9 @@ class SimResult:
         return rows
 
 
-def _graph(schedule: Schedule):
-    """Dependencies of every op (OPT depends on its stage's all-reduce node)."""
+def _graph(schedule: Schedule, present: set[int]):
+    """Dependencies of every op of the pipelines in `present` (OPT depends on its stage's
+    all-reduce node, whose inputs are the weight gradients of the present replicas)."""
     deps: dict = {}
     allreduce_inputs: dict[AllReduce, list[Op]] = {}
     for ops in schedule.ops.values():
@@ -67,7 +68,8 @@ def _graph(schedule: Schedule):
             if op.kind == OPT:
                 node = AllReduce(op.stage, tuple(replica_pipelines(schedule, op.pipeline)))
                 if node not in allreduce_inputs:
-                    allreduce_inputs[node] = weight_gradient_ops(schedule, op.stage, op.pipeline)
+                    allreduce_inputs[node] = [o for o in weight_gradient_ops(schedule, op.stage, op.pipeline)
+                                              if o.pipeline in present]
                 deps[op] = [node]
             else:
                 deps[op] = dependencies(schedule, op)
@@ -75,14 +77,56 @@ def _graph(schedule: Schedule):
     return deps, allreduce_inputs
 
 
-def simulate(schedule: Schedule, costs) -> SimResult:
+def _replica_classes(schedule: Schedule, costs) -> tuple[dict[int, int], dict[int, set[int]]]:
+    """(pipeline -> a representative pipeline that times out identically, pipeline -> its workers).
+
+    A pipeline is self-contained when its workers run only its own ops and nobody else runs
+    them; two self-contained pipelines with the same op orders (up to the pipeline index)
+    and the same costs (`costs.pipeline_signature`) interact only through the all-reduce,
+    whose start is the same max either way, so one of them stands for both. Costs objects
+    without `pipeline_signature` get no deduplication.
+    """
+    owners = defaultdict(set)  # pipeline -> workers running its ops
+    mixed = set()
+    for w, ops in schedule.ops.items():
+        pipelines = {op.pipeline for op in ops}
+        mixed |= pipelines if len(pipelines) > 1 else set()
+        for d in pipelines:
+            owners[d].add(w)
+    signature_of = getattr(costs, "pipeline_signature", None)
+    if signature_of is None:
+        return {}, owners
+    rep_of, first_with = {}, {}
+    for d, workers in owners.items():
+        if d in mixed:
+            continue
+        ordered = _stage_order(schedule, workers)
+        orders = tuple(tuple((op.kind, op.stage, op.microbatch) for op in schedule.ops[w]) for w in ordered)
+        key = (orders, signature_of(d, ordered))
+        rep_of[d] = first_with.setdefault(key, d)
+    return {d: r for d, r in rep_of.items() if d != r}, owners
+
+
+def _stage_order(schedule: Schedule, workers) -> list[int]:
+    return sorted(workers, key=lambda w: (min(op.stage for op in schedule.ops[w]), w))
+
+
+def simulate(schedule: Schedule, costs, dedupe: bool = True) -> SimResult:
+    copies, owners = _replica_classes(schedule, costs) if dedupe else ({}, {})
+    copied_workers = {w for d in copies for w in owners[d]}
     where = schedule.index()
-    deps, allreduce_inputs = _graph(schedule)
+    present = set(range(len(schedule.stages))) - set(copies)
+    deps, allreduce_inputs = _graph(schedule, present)
+    for w in copied_workers:
+        for op in schedule.ops[w]:
+            del deps[op]
     missing = [(op, d) for op, ds in deps.items() for d in ds
                if not isinstance(d, AllReduce) and d not in where]
     if missing:
         op, d = missing[0]
         raise ScheduleError(f"{op} depends on {d}, which no worker runs")
+    members_of = {node: sorted({where[o] for o in weight_gradient_ops(schedule, node.stage, node.replicas[0])})
+                  for node in allreduce_inputs}
 
     # In-degree counts graph dependencies plus the previous op on the same worker.
     waiting = {node: len(ds) for node, ds in deps.items()}
@@ -91,10 +135,11 @@ def simulate(schedule: Schedule, costs) -> SimResult:
         for d in ds:
             dependents[d].append(node)
     next_on_worker = {}
-    for ops in schedule.ops.values():
-        for a, b in zip(ops, ops[1:]):
-            waiting[b] += 1
-            next_on_worker[a] = b
+    for w, ops in schedule.ops.items():
+        if w not in copied_workers:
+            for a, b in zip(ops, ops[1:]):
+                waiting[b] += 1
+                next_on_worker[a] = b
 
     end: dict = {}
     worker_free = defaultdict(float)
@@ -103,7 +148,7 @@ def simulate(schedule: Schedule, costs) -> SimResult:
     while ready:
         node = ready.popleft()
         if isinstance(node, AllReduce):
-            members = sorted({where[o] for o in allreduce_inputs[node]})
+            members = members_of[node]
             start = max(end[o] for o in allreduce_inputs[node])
             finish = start + costs.allreduce_time(node.stage, node.replicas[0], members)
             ar_out.append((node, members, start, finish))
@@ -130,7 +175,20 @@ def simulate(schedule: Schedule, costs) -> SimResult:
     if len(end) < len(deps):
         stuck = [op for op in deps if op not in end and not isinstance(op, AllReduce)]
         raise ScheduleError(f"schedule deadlocks: {len(stuck)} ops never become ready, e.g. {stuck[0]}")
+    ops_out += _copy_replicas(schedule, copies, owners, ops_out)
     return _summarise(schedule, costs, ops_out, ar_out)
+
+
+def _copy_replicas(schedule: Schedule, copies: dict[int, int], owners, ops_out) -> list:
+    """Timings of each deduplicated pipeline: its representative's, renamed."""
+    by_worker = defaultdict(list)
+    for row in ops_out:
+        by_worker[row[0]].append(row)
+    rows = []
+    for d, r in copies.items():
+        for w_copy, w_rep in zip(_stage_order(schedule, owners[d]), _stage_order(schedule, owners[r])):
+            rows += [(w_copy, op._replace(pipeline=d), s, e) for _, op, s, e in by_worker[w_rep]]
+    return rows
 
 
 def _summarise(schedule, costs, ops_out, ar_out) -> SimResult:

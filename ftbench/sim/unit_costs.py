@@ -32,6 +32,9 @@ class UnitCosts:
     def allreduce_time(self, stage: int, pipeline: int, workers: list[int]) -> float:
         return self.allreduce if len(workers) > 1 else 0.0
 
+    def pipeline_signature(self, pipeline: int, workers: list[int]) -> tuple:
+        return ()  # every pipeline costs the same
+
     def stash_bytes(self, op: Op) -> float:
         return self.stash
 
