@@ -103,7 +103,9 @@ def plot_gantt(timeline: list[dict], path: Path | str, title: str = "",
     height_in = max(2.6, 1.6 + row_in * max(len(rows), 1))
     fig, ax = plt.subplots(figsize=(width_in, height_in))
     try:
-        _draw_ops(ax, timeline, row_of, t0, scale)
+        # About 3 points of plot width, in time units: the narrowest bar a separator suits.
+        narrow = span * scale * 3.0 / (width_in * 72 * 0.75)
+        _draw_ops(ax, timeline, row_of, t0, scale, narrow)
         _draw_labels(ax, timeline, row_of, t0, scale, span, width_in, row_in)
         _style_axes(ax, rows, labels, span * scale, unit, t0, capped)
         present = [k for k in KIND_COLOURS if any(op["kind"] == k for op in timeline)]
@@ -123,8 +125,12 @@ def plot_gantt(timeline: list[dict], path: Path | str, title: str = "",
 
 
 def _draw_ops(ax: Any, timeline: list[dict], row_of: dict[int, int], t0: float,
-              scale: float) -> None:
-    """One broken_barh per (row, kind): far fewer artists than one bar per op."""
+              scale: float, narrow: float) -> None:
+    """One broken_barh per (row, kind): far fewer artists than one bar per op.
+
+    Bars narrower than `narrow` (x units) get an outline in their own colour instead of the
+    white separator, which would otherwise paint over them and hide short ops entirely.
+    """
     groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for op in timeline:
         row = row_of.get(op["worker"])
@@ -138,7 +144,8 @@ def _draw_ops(ax: Any, timeline: list[dict], row_of: dict[int, int], t0: float,
             ax.broken_barh(bars, (row + 0.12, 0.28), facecolors="#F3ECE4", edgecolors=colour,
                            hatch="////", linewidth=0.6, zorder=3)
         else:
-            ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour, edgecolors="white",
+            edges = ["white" if width >= narrow else colour for _, width in bars]
+            ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour, edgecolors=edges,
                            linewidth=0.4, zorder=2)
 
 
@@ -170,11 +177,12 @@ def _draw_labels(ax: Any, timeline: list[dict], row_of: dict[int, int], t0: floa
 
 def _style_axes(ax: Any, rows: list[int], labels: dict[int, str], span: float, unit: str,
                 t0: float, capped: bool) -> None:
-    ax.set_ylim(len(rows) - 0.5, -0.5)  # inverted: worker 0 on top
+    ax.set_ylim(max(len(rows), 1) - 0.5, -0.5)  # inverted: worker 0 on top
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([labels.get(w, f"w{w}") for w in rows],
                        fontsize=8 if len(rows) <= 32 else 6)
-    ax.set_xlim(0, span if span > 0 else 1.0)
+    # A sliver of room on both sides so ops at the very start or end are not hidden by the frame.
+    ax.set_xlim((-0.005 * span, span * 1.01) if span > 0 else (0.0, 1.0))
     xlabel = f"time ({unit})"
     if t0:
         xlabel += f" since t = {t0:.6g} s"
@@ -192,7 +200,8 @@ def _style_axes(ax: Any, rows: list[int], labels: dict[int, str], span: float, u
 def _gantt_title(title: str, timeline: list[dict], workers: list[int], rows: list[int],
                  capped: bool, span: float, scale: float, unit: str) -> str:
     bubbles = bubble_fraction(timeline, workers)
-    facts = (f"bubble fraction {bubbles:.1%}  |  {len(workers)} workers  |  "
+    plural = "worker" if len(workers) == 1 else "workers"
+    facts = (f"bubble fraction {bubbles:.1%}  |  {len(workers)} {plural}  |  "
              f"makespan {span * scale:.4g} {unit}")
     if capped:
         half = len(rows) // 2
@@ -203,13 +212,23 @@ def _gantt_title(title: str, timeline: list[dict], workers: list[int], rows: lis
 # --------------------------------------------------------------------------- one run
 
 def human_duration(seconds: Any) -> str:
-    """12.3 s, 4.5 min, 2.25 h, 3.1 d."""
+    """3.9 ms, 12.3 s, 4.5 min, 2.25 h, 3.1 d."""
     if not isinstance(seconds, (int, float)):
         return "-"
-    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0), ("s", 1.0)):
         if abs(seconds) >= size:
             return f"{_short(seconds / size)} {unit}"
-    return f"{_short(seconds)} s"
+    if seconds == 0:
+        return "0 s"
+    return f"{_short(seconds * 1000)} ms"  # tiny simulated models finish in milliseconds
+
+
+def _memory(peak_bytes: float | None) -> str:
+    if peak_bytes is None:
+        return "-"
+    if peak_bytes >= 1e8:
+        return f"{peak_bytes / 1e9:.2f} GB per worker (max)"
+    return f"{peak_bytes / 1e6:.3g} MB per worker (max)"  # toy models would read 0.00 GB
 
 
 def _short(value: float) -> str:
@@ -261,7 +280,7 @@ def format_summary(summary: dict) -> str:
         ("failures", _or_dash(_count(s.get("failures")))),
         ("recoveries", f"{totals['count']} (total {human_duration(totals['recovery_s'])})"),
         ("lost iterations", str(totals["lost_iterations"])),
-        ("peak memory", f"{peak / 1e9:.2f} GB per worker (max)" if peak is not None else "-"),
+        ("peak memory", _memory(peak)),
         ("status", status),
     ]
     width = max(len(name) for name, _ in rows)

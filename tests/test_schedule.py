@@ -131,3 +131,13 @@ def test_replica_deduplication_is_exact(generator):
         assert fast.peak_memory_bytes == full.peak_memory_bytes and fast.busy == full.busy
         assert sorted((a.stage, tuple(m), s, e) for a, m, s, e in fast.allreduces) == \
             sorted((a.stage, tuple(m), s, e) for a, m, s, e in full.allreduces)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in GRID if m >= p])
+def test_zb_h1_peak_activation_bytes_equal_1f1b(p, m):
+    """Deferred Ws keep only the linear layers' inputs; that never lifts any stage above
+    stage 0's 1F1B peak of p micro-batches, so the pipeline's peak is 1F1B's."""
+    costs = UnitCosts(stash=1.0, weight_stash=0.3)
+    zb, ofob = simulate(zb_h1(p, m), costs), simulate(one_f_one_b(p, m), costs)
+    assert max(zb.peak_activation_bytes.values()) == pytest.approx(max(ofob.peak_activation_bytes.values()))
+    assert max(zb.peak_activation_bytes.values()) == pytest.approx(p * 1.0)
