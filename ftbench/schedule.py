@@ -31,6 +31,14 @@ class Op(NamedTuple):
         return f"{self.kind}(s{self.stage}{mb},p{self.pipeline})"
 
 
+@dataclass(frozen=True)
+class GradientSync:
+    """The gradient all-reduce of one stage over its replica pipelines: a node of the
+    dependency graph that no worker runs (it occupies the network, not a GPU)."""
+    stage: int
+    replicas: tuple[int, ...]
+
+
 class ScheduleError(ValueError):
     """A schedule that cannot be executed: missing, duplicated or deadlocking ops."""
 
@@ -90,7 +98,7 @@ def dependencies(schedule: Schedule, op: Op) -> list[Op]:
     if kind == W:
         return [Op(B, s, m, d)]
     if kind == OPT:
-        return weight_gradient_ops(schedule, s, d)
+        return [GradientSync(s, tuple(replica_pipelines(schedule, d)))]
     raise ScheduleError(f"unknown op kind {kind!r} in {op}")
 
 
@@ -114,14 +122,16 @@ def weight_gradient_ops(schedule: Schedule, stage: int, pipeline: int) -> list[O
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError unless every micro-batch is forwarded and backpropagated exactly
     once per stage, every stage is stepped, and the per-worker order cannot deadlock."""
+    check_coverage(schedule)
+    topological_order(schedule, dependency_graph(schedule))
+
+
+def check_coverage(schedule: Schedule) -> None:
+    """The first half of `validate`: every op present exactly once, none outside the shape."""
     problems = _coverage_problems(schedule)
     if problems:
         raise ScheduleError("invalid schedule: " + "; ".join(problems[:10])
                             + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
-    blocked = _deadlocked_heads(schedule)
-    if blocked:
-        heads = ", ".join(f"worker {w} waits at {op} for {dep}" for w, op, dep in blocked[:6])
-        raise ScheduleError(f"schedule deadlocks: {heads}")
 
 
 def _coverage_problems(schedule: Schedule) -> list[str]:
@@ -151,26 +161,60 @@ def _coverage_problems(schedule: Schedule) -> list[str]:
     return problems
 
 
-def _deadlocked_heads(schedule: Schedule) -> list[tuple[int, Op, Op]]:
-    """Execute with zero op times: a worker runs its next op once its dependencies ran.
-    Returns the blocked head of each stuck worker (empty when everything ran)."""
-    position = {w: 0 for w in schedule.ops}
-    done: set[Op] = set()
-    progress = True
-    while progress:
-        progress = False
-        for w, ops in schedule.ops.items():
-            while position[w] < len(ops) and all(d in done for d in dependencies(schedule, ops[position[w]])):
-                done.add(ops[position[w]])
-                position[w] += 1
-                progress = True
-    stuck = []
+def dependency_graph(schedule: Schedule, present: set[int] | None = None) -> dict:
+    """node -> the nodes it waits for, for every op and every GradientSync. A sync waits for
+    the weight gradients of the `present` pipelines only (default: all)."""
+    deps: dict = {}
+    for ops in schedule.ops.values():
+        for op in ops:
+            deps[op] = dependencies(schedule, op)
+            if op.kind == OPT and deps[op][0] not in deps:
+                sync = deps[op][0]
+                deps[sync] = [o for o in weight_gradient_ops(schedule, sync.stage, op.pipeline)
+                              if present is None or o.pipeline in present]
+    return deps
+
+
+def topological_order(schedule: Schedule, deps: dict, skip_workers=frozenset()) -> list:
+    """The nodes of `deps` in an order that respects both the dependencies and each worker's
+    own order (Kahn's algorithm, O(ops)); ScheduleError when some worker can never go on.
+    Workers in `skip_workers` are left out (their ops must not be in `deps`)."""
+    missing = next(((op, d) for op, ds in deps.items() for d in ds if d not in deps), None)
+    if missing:
+        raise ScheduleError(f"{missing[0]} depends on {missing[1]}, which no worker runs")
+    waiting = {node: len(ds) for node, ds in deps.items()}
+    dependents = defaultdict(list)
+    for node, ds in deps.items():
+        for d in ds:
+            dependents[d].append(node)
     for w, ops in schedule.ops.items():
-        if position[w] < len(ops):
-            op = ops[position[w]]
-            waiting = next(d for d in dependencies(schedule, op) if d not in done)
-            stuck.append((w, op, waiting))
-    return stuck
+        if w not in skip_workers:
+            for a, b in zip(ops, ops[1:]):
+                waiting[b] += 1
+                dependents[a].append(b)
+    ready = deque(node for node, n in waiting.items() if n == 0)
+    order = []
+    while ready:
+        node = ready.popleft()
+        order.append(node)
+        for child in dependents.get(node, ()):
+            waiting[child] -= 1
+            if waiting[child] == 0:
+                ready.append(child)
+    if len(order) < len(deps):
+        _raise_deadlock(schedule, deps, set(order), skip_workers)
+    return order
+
+
+def _raise_deadlock(schedule: Schedule, deps: dict, done: set, skip_workers) -> None:
+    heads = []
+    for w, ops in schedule.ops.items():
+        head = next((op for op in ops if op not in done), None)
+        if w in skip_workers or head is None:
+            continue
+        waiting = next((d for d in deps[head] if d not in done), None)
+        heads.append(f"worker {w} waits at {head}" + (f" for {waiting}" if waiting else " for its turn"))
+    raise ScheduleError("schedule deadlocks: " + ", ".join(heads[:6]) + (" ..." if len(heads) > 6 else ""))
 
 
 # -- generators -------------------------------------------------------------------------
@@ -235,12 +279,3 @@ def generate(name: str, pp: int, m: int, dp: int = 1) -> Schedule:
     if name not in GENERATORS:
         raise ConfigError("schedule", f"unknown schedule '{name}'", f"choose one of {', '.join(GENERATORS)}")
     return GENERATORS[name](pp, m, dp)
-
-
-def ops_by_stage(schedule: Schedule) -> dict[tuple[int, int], list[Op]]:
-    """(pipeline, stage) -> its ops, wherever they run."""
-    out: dict[tuple[int, int], list[Op]] = defaultdict(list)
-    for ops in schedule.ops.values():
-        for op in ops:
-            out[(op.pipeline, op.stage)].append(op)
-    return out

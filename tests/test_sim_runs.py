@@ -102,3 +102,14 @@ def test_iteration_time_follows_the_cost_model():
     optimizer = 28 * (spec.parameters + spec.vocab * spec.hidden) / (hw.hbm_gbps * 1e9)
     result = simulate(plan.schedule, PlanCosts(ctx.cost_model, plan))
     assert result.iteration_time == pytest.approx(compute + optimizer, rel=1e-9)
+
+
+def test_a_plan_that_drops_a_microbatch_is_rejected_before_simulation():
+    from ftbench.schedule import F, Op, ScheduleError
+    from ftbench.sim.runner import SimCache
+
+    ctx = RunContext.from_config(compose(*MEDIUM))
+    plan = ctx.grid_plan(4, 2)
+    plan.schedule.ops[5].remove(Op(F, 1, 3, 1))  # worker 5 = pipeline 1, stage 1
+    with pytest.raises(ScheduleError, match=r"missing F\(s1,m3,p1\)"):
+        SimCache(ctx.cost_model)(plan)

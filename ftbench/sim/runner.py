@@ -15,6 +15,7 @@ from ftbench.cluster import Cluster
 from ftbench.costs import PlanCosts
 from ftbench.failures import FailureEvent, FailureScript
 from ftbench.plan import Plan
+from ftbench.schedule import check_coverage
 from ftbench.sim.simulator import SimResult, simulate
 
 # A failure scripted "at iteration k" strikes this far into iteration k.
@@ -37,6 +38,7 @@ class SimCache:
         key = plan.key() if self.enabled else None
         result = self._results.get(key) if self.enabled else None
         if result is None:
+            check_coverage(plan.schedule)  # a strategy's plan must train every micro-batch once
             result = simulate(plan.schedule, PlanCosts(self.cost_model, plan))
             self.simulations += 1
             if self.enabled:

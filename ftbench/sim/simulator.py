@@ -4,8 +4,8 @@ Each worker runs its ops in order; an op starts when the worker is free and ever
 dependency has finished and its output has arrived (producer end + transfer time). The
 optimizer step of a stage waits for the gradient all-reduce across its replicas, which
 starts when the last replica's last weight gradient is ready. Ops are visited in a
-topological order of the dependency graph plus each worker's own order (Kahn), so one
-iteration costs O(ops).
+topological order of the dependency graph plus each worker's own order
+(ftbench.schedule.topological_order), so one iteration costs O(ops).
 
 `costs` is anything with: op_time(op), transfer_time(src_worker, dst_worker),
 allreduce_time(stage, pipeline, workers), stash_bytes(op), weight_stash_bytes(op) and
@@ -13,25 +13,18 @@ static_bytes(worker) (see ftbench.costs.PlanCosts; tests pass simpler ones).
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass
 
-from ftbench.schedule import (B, BW, F, OPT, W, Op, Schedule, ScheduleError, dependencies,
-                              replica_pipelines, weight_gradient_ops)
-
-
-@dataclass(frozen=True)
-class AllReduce:
-    """Virtual node: the gradient all-reduce of one stage over its replica pipelines."""
-    stage: int
-    replicas: tuple[int, ...]
+from ftbench.schedule import (B, BW, F, OPT, W, GradientSync, Op, Schedule, dependency_graph,
+                              topological_order, weight_gradient_ops)
 
 
 @dataclass
 class SimResult:
     iteration_time: float
     ops: list[tuple[int, Op, float, float]]  # (worker, op, start, end), in start order per worker
-    allreduces: list[tuple[AllReduce, list[int], float, float]]  # (node, member workers, start, end)
+    allreduces: list[tuple[GradientSync, list[int], float, float]]  # (node, member workers, start, end)
     busy: dict[int, float]  # compute seconds per worker
     peak_stash: dict[int, int]  # most micro-batches forwarded but not yet backpropagated (B/BW)
     peak_activation_bytes: dict[int, float]
@@ -56,25 +49,6 @@ class SimResult:
                 rows += [{"worker": w, "kind": "AR", "stage": ar.stage, "pipeline": -1,
                           "microbatch": None, "start": s, "end": e} for w in members]
         return rows
-
-
-def _graph(schedule: Schedule, present: set[int]):
-    """Dependencies of every op of the pipelines in `present` (OPT depends on its stage's
-    all-reduce node, whose inputs are the weight gradients of the present replicas)."""
-    deps: dict = {}
-    allreduce_inputs: dict[AllReduce, list[Op]] = {}
-    for ops in schedule.ops.values():
-        for op in ops:
-            if op.kind == OPT:
-                node = AllReduce(op.stage, tuple(replica_pipelines(schedule, op.pipeline)))
-                if node not in allreduce_inputs:
-                    allreduce_inputs[node] = [o for o in weight_gradient_ops(schedule, op.stage, op.pipeline)
-                                              if o.pipeline in present]
-                deps[op] = [node]
-            else:
-                deps[op] = dependencies(schedule, op)
-    deps.update(allreduce_inputs)
-    return deps, allreduce_inputs
 
 
 def _replica_classes(schedule: Schedule, costs) -> tuple[dict[int, int], dict[int, set[int]]]:
@@ -114,67 +88,33 @@ def _stage_order(schedule: Schedule, workers) -> list[int]:
 def simulate(schedule: Schedule, costs, dedupe: bool = True) -> SimResult:
     copies, owners = _replica_classes(schedule, costs) if dedupe else ({}, {})
     copied_workers = {w for d in copies for w in owners[d]}
-    where = schedule.index()
     present = set(range(len(schedule.stages))) - set(copies)
-    deps, allreduce_inputs = _graph(schedule, present)
+    deps = dependency_graph(schedule, present)
     for w in copied_workers:
         for op in schedule.ops[w]:
             del deps[op]
-    missing = [(op, d) for op, ds in deps.items() for d in ds
-               if not isinstance(d, AllReduce) and d not in where]
-    if missing:
-        op, d = missing[0]
-        raise ScheduleError(f"{op} depends on {d}, which no worker runs")
-    members_of = {node: sorted({where[o] for o in weight_gradient_ops(schedule, node.stage, node.replicas[0])})
-                  for node in allreduce_inputs}
-
-    # In-degree counts graph dependencies plus the previous op on the same worker.
-    waiting = {node: len(ds) for node, ds in deps.items()}
-    dependents = defaultdict(list)
-    for node, ds in deps.items():
-        for d in ds:
-            dependents[d].append(node)
-    next_on_worker = {}
-    for w, ops in schedule.ops.items():
-        if w not in copied_workers:
-            for a, b in zip(ops, ops[1:]):
-                waiting[b] += 1
-                next_on_worker[a] = b
-
+    where = schedule.index()
     end: dict = {}
     worker_free = defaultdict(float)
-    ready = deque(node for node, n in waiting.items() if n == 0)
     ops_out, ar_out = [], []
-    while ready:
-        node = ready.popleft()
-        if isinstance(node, AllReduce):
-            members = members_of[node]
-            start = max(end[o] for o in allreduce_inputs[node])
+    # Any order that respects dependencies and worker orders gives the same times: an op
+    # starts when its worker is free and its inputs have arrived.
+    for node in topological_order(schedule, deps, copied_workers):
+        if isinstance(node, GradientSync):
+            members = sorted({where[o] for o in weight_gradient_ops(schedule, node.stage, node.replicas[0])})
+            start = max(end[o] for o in deps[node])
             finish = start + costs.allreduce_time(node.stage, node.replicas[0], members)
             ar_out.append((node, members, start, finish))
         else:
             w = where[node]
             start = worker_free[w]
             for d in deps[node]:
-                arrival = end[d] if isinstance(d, AllReduce) else end[d] + costs.transfer_time(where[d], w)
+                arrival = end[d] if isinstance(d, GradientSync) else end[d] + costs.transfer_time(where[d], w)
                 start = max(start, arrival)
             finish = start + costs.op_time(node)
             worker_free[w] = finish
             ops_out.append((w, node, start, finish))
-            nxt = next_on_worker.get(node)
-            if nxt is not None:
-                waiting[nxt] -= 1
-                if waiting[nxt] == 0:
-                    ready.append(nxt)
         end[node] = finish
-        for child in dependents.get(node, ()):
-            waiting[child] -= 1
-            if waiting[child] == 0:
-                ready.append(child)
-
-    if len(end) < len(deps):
-        stuck = [op for op in deps if op not in end and not isinstance(op, AllReduce)]
-        raise ScheduleError(f"schedule deadlocks: {len(stuck)} ops never become ready, e.g. {stuck[0]}")
     ops_out += _copy_replicas(schedule, copies, owners, ops_out)
     return _summarise(schedule, costs, ops_out, ar_out)
 
