@@ -30,7 +30,7 @@ COMM_KINDS = {"AR"}  # network ops: not compute, so they do not fill bubbles
 MAX_ROWS = 64  # rows drawn before the chart keeps only the first and last halves
 MAX_LABELS = 4000  # micro-batch numbers written at most; more only slows drawing down
 
-DEFAULT_COLUMNS = ["strategy", "model", "backend", "pp", "dp", "microbatches", "iterations",
+DEFAULT_COLUMNS = ["strategy", "model", "schedule", "backend", "pp", "dp", "microbatches", "iterations",
                    "time_s", "throughput", "failures", "status"]
 
 

@@ -124,7 +124,7 @@ def test_runs_table_markdown_and_csv(tmp_path):
     assert "3.142" in lines[2] and "bamboo \\| fast" in lines[3]
 
     rows = list(csv.reader(io.StringIO(runs_table(runs, fmt="csv"))))
-    assert rows[0][:3] == ["strategy", "model", "backend"]
+    assert rows[0][:4] == ["strategy", "model", "schedule", "backend"]
     assert len(rows) == 3 and rows[2][0] == "bamboo | fast"
 
 
@@ -140,7 +140,7 @@ def test_main_prints_a_table(tmp_path, capsys):
     assert capsys.readouterr().out.count("\n") == 4
     out = tmp_path / "t.csv"
     assert main([str(tmp_path / "sweep"), "--csv", "--out", str(out)]) == 0
-    assert out.read_text().startswith("strategy,model,backend")
+    assert out.read_text().startswith("strategy,model,schedule,backend")
 
 
 def test_main_without_summaries_exits_2(tmp_path, capsys):
