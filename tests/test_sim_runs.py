@@ -113,3 +113,27 @@ def test_a_plan_that_drops_a_microbatch_is_rejected_before_simulation():
     plan.schedule.ops[5].remove(Op(F, 1, 3, 1))  # worker 5 = pipeline 1, stage 1
     with pytest.raises(ScheduleError, match=r"missing F\(s1,m3,p1\)"):
         SimCache(ctx.cost_model)(plan)
+
+
+def test_wandb_sink_gets_the_sweep_group_the_strategy_and_every_metrics_line(tmp_path, monkeypatch):
+    import ftbench.run as run_module
+
+    calls = {}
+
+    class Recorder:
+        def __init__(self, cfg, run_dir, name, job_type, group, config):
+            calls.update(job_type=job_type, group=group, config=config, logged=[])
+
+        def log(self, record):
+            calls["logged"].append(record)
+
+        def finish(self, summary):
+            calls["summary"] = summary
+
+    monkeypatch.setattr(run_module, "WandbSink", Recorder)
+    cfg = compose(*MEDIUM, "report.progress=false", "report.gantt=false")
+    summary = run_module.execute(cfg, tmp_path, wandb_group="20-00-00-abcd", echo=lambda *_: None)
+    assert calls["job_type"] == "none" and calls["group"] == "20-00-00-abcd"
+    assert calls["config"]["model"]["name"] == "gpt3-medium"
+    assert calls["logged"] == read_metrics(tmp_path / "metrics.jsonl")
+    assert calls["summary"]["status"] == summary["status"] == "ok"
