@@ -45,9 +45,11 @@ def execute(cfg, run_dir: Path | str, wandb_group: str | None = None, echo=print
         except UserError as err:
             summary.update(status=err.status, error=str(err))
             metrics.log({"event": "error", "status": err.status, "error": str(err)})
-        except Exception as err:  # a bug, not a user error: keep the evidence, then re-raise
-            summary.update(status="error", error=f"{type(err).__name__}: {err}")
-            (run_dir / "error.txt").write_text(traceback.format_exc())
+        except BaseException as err:  # a bug or Ctrl-C, not a user error: keep the evidence, re-raise
+            interrupted = isinstance(err, KeyboardInterrupt)
+            summary.update(status="error", error="interrupted" if interrupted else f"{type(err).__name__}: {err}")
+            if not interrupted:
+                (run_dir / "error.txt").write_text(traceback.format_exc())
             metrics.log({"event": "error", "status": "error", "error": summary["error"]})
             _finish(run_dir, summary, started, sink)
             raise

@@ -137,3 +137,19 @@ def test_wandb_sink_gets_the_sweep_group_the_strategy_and_every_metrics_line(tmp
     assert calls["config"]["model"]["name"] == "gpt3-medium"
     assert calls["logged"] == read_metrics(tmp_path / "metrics.jsonl")
     assert calls["summary"]["status"] == summary["status"] == "ok"
+
+
+@pytest.mark.parametrize("crash", [RuntimeError("bug in a strategy"), KeyboardInterrupt()])
+def test_a_crash_keeps_metrics_and_summary(tmp_path, monkeypatch, crash):
+    import ftbench.run as run_module
+
+    def boom(*args, **kwargs):
+        raise crash
+
+    monkeypatch.setattr(run_module, "run_simulation", boom)
+    with pytest.raises(type(crash)):
+        run_module.execute(compose(*MEDIUM, "report.progress=false"), tmp_path, echo=lambda *_: None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "error" and summary["error"]
+    assert read_metrics(tmp_path / "metrics.jsonl")[-1]["event"] == "error"
+    assert (tmp_path / "error.txt").exists() == isinstance(crash, RuntimeError)
