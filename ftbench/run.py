@@ -117,8 +117,12 @@ def _run(cfg, run_dir: Path, log) -> dict:
 def _draw_gantt(result, run_dir: Path, cfg, ctx) -> None:
     title = (f"{ctx.spec.name}, {cfg.schedule.name}, pp={cfg.cluster.pp} dp={cfg.cluster.dp}, "
              f"m={ctx.microbatches}, {cfg.hardware.name}: one iteration {result.iteration_time:.3g} s")
+    first_op = {}
+    for worker, op, _, _ in result.ops:
+        first_op.setdefault(worker, op)
+    labels = {w: f"w{w} p{op.pipeline}/s{op.stage}" for w, op in first_op.items()}
     try:
-        plot_gantt(result.timeline(), run_dir / "gantt.png", title=title)
+        plot_gantt(result.timeline(), run_dir / "gantt.png", title=title, worker_labels=labels)
     except Exception as err:  # a plot must never cost the run its results
         warnings.warn(f"could not draw the Gantt chart: {err}")
 
