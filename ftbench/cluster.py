@@ -15,15 +15,13 @@ from ftbench.errors import ConfigError
 class Cluster:
     pp: int
     dp: int
-    gpus_per_node: int = 1
-    nodes: int = 0  # 0: just enough for the grid
-    spares: int = 0
-    replacement_s: float = 45.0
-    alive: set[int] = field(default_factory=set)
+    gpus_per_node: int
+    nodes: int
+    spares: int
+    replacement_s: float
+    alive: set[int] = field(default_factory=set)  # empty: every node starts alive
 
     def __post_init__(self):
-        if self.nodes == 0:
-            self.nodes = -(-self.pp * self.dp // self.gpus_per_node)
         if not self.alive:
             self.alive = set(range(self.nodes))
 

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from ftbench.config import GROUP_CHOICES, HardwareConfig
+from ftbench.config import BACKENDS, HardwareConfig
 from ftbench.costs import CostModel
 from ftbench.errors import ConfigError
+from ftbench.failures import KINDS as FAILURE_KINDS
+from ftbench.metrics import WandbSink
 from ftbench.plan import Plan, grid_plan
 from ftbench.schedule import GENERATORS, generate
 from models.specs import ModelSpec, resolve_model
@@ -76,7 +78,8 @@ def _positive(setting: str, value) -> None:
 
 
 def _check_choices(cfg) -> None:
-    choices = dict(GROUP_CHOICES, schedule=tuple(GENERATORS))
+    choices = {"backend": BACKENDS, "schedule": tuple(GENERATORS), "failures": FAILURE_KINDS,
+               "wandb.mode": WandbSink.MODES}
     values = {"backend": cfg.backend.name, "schedule": cfg.schedule.name,
               "failures": cfg.failures.kind, "wandb.mode": cfg.wandb.mode}
     for setting, value in values.items():

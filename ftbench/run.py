@@ -11,8 +11,6 @@ import traceback
 import warnings
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from ftbench.cluster import Cluster
 from ftbench.context import RunContext
 from ftbench.errors import ConfigError, UserError
@@ -35,7 +33,7 @@ def execute(cfg, run_dir: Path | str, wandb_group: str | None = None, echo=print
     with MetricsWriter(run_dir) as metrics:
         try:
             sink = WandbSink(cfg.wandb, run_dir, name=run_dir.name, job_type=str(cfg.strategy.name),
-                             group=wandb_group, config=OmegaConf.to_container(cfg, resolve=True))
+                             group=wandb_group, config=cfg)
 
             def log(record: dict) -> None:
                 metrics.log(record)
