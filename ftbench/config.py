@@ -42,6 +42,8 @@ class HardwareConfig:
     link_latency_us: float = 10.0  # fixed cost of one message, microseconds
     storage_gbps: float = 2.0  # checkpoint storage bandwidth per node, GB/s
     restart_s: float = 60.0  # time to restart the training processes and rebuild communicators, s
+    rendezvous_s: float = 5.0  # time for surviving processes to agree on membership and rebuild communicators, s
+    host_gbps: float = 25.0  # GPU <-> host memory copy bandwidth per GPU (PCIe), GB/s: snapshots and in-memory commits
 
 
 @dataclass
@@ -66,6 +68,8 @@ class TrainConfig:
     global_batch: Optional[int] = None  # samples per iteration (None: dp*microbatches*microbatch_size); kept fixed under failures
     lr: float = 1e-3  # AdamW learning rate (local/dist backends)
     weight_decay: float = 0.0  # AdamW weight decay (local/dist backends)
+    data: str = "synthetic"  # synthetic (seeded token stream) | text (a local file, byte-level tokens); local/dist
+    data_path: Optional[str] = None  # text: the file to read
 
 
 @dataclass
@@ -79,6 +83,7 @@ class BackendConfig:
     """Which executor runs plans."""
     name: str = "sim"  # sim | local | dist
     memoize: bool = True  # sim: simulate each distinct plan once
+    dtype: str = "float32"  # local/dist: float32 | float64 (parameters, activations, optimizer state)
 
 
 @dataclass
@@ -110,6 +115,16 @@ class StrategyConfig:
 
 
 @dataclass
+class CheckpointConfig(StrategyConfig):
+    """Checkpoint restart and its presets: checkpoint, checkfreq, elastic-horovod, varuna."""
+    name: str = "checkpoint"
+    every: Optional[int] = 4  # iterations between checkpoints (null: tuned; Young/Daly, or CheckFreq's overhead rule)
+    mtbf_hours: Optional[float] = None  # one node's MTBF for Young/Daly (null: failures.mtbf_hours)
+    keep: int = 2  # checkpoints kept on storage (local backend)
+    overhead_bound: float = 0.035  # checkfreq: largest fraction of iteration time spent stalled on snapshots
+
+
+@dataclass
 class WandbConfig:
     """Weights & Biases sink. Offline runs land in the run folder; `wandb sync` uploads them."""
     mode: str = "${oc.env:WANDB_MODE,offline}"  # offline | online | disabled (default: $WANDB_MODE, else offline)
@@ -123,6 +138,7 @@ class ReportConfig:
     """What the run draws into its folder."""
     gantt: bool = True  # PNG Gantt chart of one simulated iteration
     progress: bool = True  # progress bar on the console
+    check_fault_free: bool = True  # local: after a run, train again without failures and compare losses and weights
 
 
 @dataclass
@@ -142,7 +158,7 @@ class FTBenchConfig:
 
 
 # Strategy schemas, by strategy name; later strategies add theirs here.
-STRATEGY_SCHEMAS: dict[str, type] = {"none": StrategyConfig}
+STRATEGY_SCHEMAS: dict[str, type] = {"none": StrategyConfig, "checkpoint": CheckpointConfig}  # presets reuse "checkpoint"
 
 BACKENDS = ("sim", "local", "dist")  # backend=...; which of them run is ftbench.run's business
 

@@ -16,7 +16,10 @@ from ftbench.failures import KINDS as FAILURE_KINDS
 from ftbench.metrics import WandbSink
 from ftbench.plan import Plan, grid_plan
 from ftbench.schedule import GENERATORS, generate
+from models.data import KINDS as DATA_KINDS
 from models.specs import ModelSpec, resolve_model
+
+DTYPES = ("float32", "float64")  # backend.dtype
 
 
 @dataclass
@@ -33,6 +36,7 @@ class RunContext:
     iterations: int
     max_hours: float | None
     seed: int
+    node_mtbf_hours: float | None = None  # failures.mtbf_hours (Poisson failures), for checkpoint-interval rules
 
     @classmethod
     def from_config(cls, cfg) -> "RunContext":
@@ -60,12 +64,21 @@ class RunContext:
                    backend=cfg.backend.name, schedule_name=cfg.schedule.name,
                    microbatches=microbatches, microbatch_size=t.microbatch_size, seq_len=seq_len,
                    global_batch=global_batch, iterations=t.iterations, max_hours=t.max_hours,
-                   seed=cfg.seed)
+                   seed=cfg.seed, node_mtbf_hours=cfg.failures.mtbf_hours)
 
     def grid_plan(self, pp: int, dp: int, gpus_per_node: int = 1, schedule: str | None = None) -> Plan:
-        """The regular grid under the configured (or given) schedule, layers balanced over stages."""
-        sched = generate(schedule or self.schedule_name, pp, self.microbatches, dp)
+        """The regular grid under the configured (or given) schedule, layers balanced over stages.
+        With a dp other than the configured one, the global batch is kept: its micro-batches
+        are split over the dp pipelines as evenly as they go."""
+        sched = generate(schedule or self.schedule_name, pp, self.split_microbatches(dp), dp)
         return grid_plan(sched, self.cost_model.balanced_partition(pp), pp, gpus_per_node)
+
+    def split_microbatches(self, dp: int) -> tuple[int, ...]:
+        """The global batch's micro-batches over dp pipelines (the first ones take one more)."""
+        total = self.global_batch // self.microbatch_size
+        if dp > total:
+            raise ValueError(f"{dp} pipelines but only {total} micro-batches in the global batch")
+        return tuple(total // dp + (1 if d < total % dp else 0) for d in range(dp))
 
 
 def _plain(node):
@@ -79,9 +92,10 @@ def _positive(setting: str, value) -> None:
 
 def _check_choices(cfg) -> None:
     choices = {"backend": BACKENDS, "schedule": tuple(GENERATORS), "failures": FAILURE_KINDS,
-               "wandb.mode": WandbSink.MODES}
+               "wandb.mode": WandbSink.MODES, "backend.dtype": DTYPES, "train.data": DATA_KINDS}
     values = {"backend": cfg.backend.name, "schedule": cfg.schedule.name,
-              "failures": cfg.failures.kind, "wandb.mode": cfg.wandb.mode}
+              "failures": cfg.failures.kind, "wandb.mode": cfg.wandb.mode, "backend.dtype": cfg.backend.dtype,
+              "train.data": cfg.train.data}
     for setting, value in values.items():
         if value not in choices[setting]:
             raise ConfigError(setting, f"unknown option '{value}'", f"choose one of {', '.join(choices[setting])}")

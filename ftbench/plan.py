@@ -31,6 +31,18 @@ class Plan:
     def is_last_stage(self, pipeline: int, stage: int) -> bool:
         return stage == self.schedule.stages[pipeline] - 1
 
+    def on_workers(self, workers: list[int], node_of) -> "Plan":
+        """The same plan with grid worker i placed on `workers[i]` (survivors, after a reshape)."""
+        old = self.workers
+        if len(workers) < len(old):
+            raise ValueError(f"{len(old)} workers needed, {len(workers)} given")
+        to = dict(zip(old, workers))
+        ops = {to[w]: ops for w, ops in self.schedule.ops.items()}
+        schedule = Schedule(ops, self.schedule.stages, self.schedule.microbatches, self.schedule.name)
+        return Plan(schedule=schedule, partition=self.partition,
+                    holds={to[w]: h for w, h in self.holds.items()},
+                    node_of={to[w]: node_of(to[w]) for w in old}, name=self.name)
+
     def key(self) -> tuple:
         if self._key is None:
             holds = tuple(sorted(self.holds.items()))

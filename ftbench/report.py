@@ -283,6 +283,9 @@ def format_summary(summary: dict) -> str:
         ("peak memory", _memory(peak)),
         ("status", status),
     ]
+    if s.get("matches_fault_free") is not None:  # local runs that ran the equivalence check
+        verdict = "yes" if s["matches_fault_free"] else f"NO ({s.get('fault_free_difference')})"
+        rows.append(("matches fault-free", verdict))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
 

@@ -17,10 +17,19 @@ from ftbench.errors import ConfigError, UserError
 from ftbench.failures import build_failure_script
 from ftbench.metrics import MetricsWriter, WandbSink, write_summary
 from ftbench.report import format_summary, plot_gantt
+from ftbench.actions import FILE, SNAPSHOT
+from ftbench.checkpoint import CheckpointStore
+from ftbench.engine.local import LocalEngine
+from ftbench.engine.runner import run_local
+from ftbench.equivalence import compare
+from ftbench.failures import FailureScript
 from ftbench.sim.runner import SimCache, run_simulation
+from models.data import make_source
+from models.gpt import save_pretrained
 from strategies import build_strategy
+from strategies.none import NoFaultTolerance
 
-AVAILABLE_BACKENDS = ("sim",)
+AVAILABLE_BACKENDS = ("sim", "local")
 
 
 def execute(cfg, run_dir: Path | str, wandb_group: str | None = None, echo=print) -> dict:
@@ -88,28 +97,78 @@ def _run(cfg, run_dir: Path, log) -> dict:
     strategy = build_strategy(cfg.strategy, ctx)
     log({"event": "start", "failures": script.description, "microbatches": ctx.microbatches,
          "global_batch": ctx.global_batch, "nodes": cluster.nodes})
+    common = {"microbatches": ctx.microbatches, "global_batch": ctx.global_batch, "seq_len": ctx.seq_len,
+              "failure_script": script.description, "model_parameters": ctx.spec.parameters}
+    if ctx.backend == "local":
+        return {**common, **_run_local(cfg, ctx, strategy, cluster, script, run_dir, log)}
+    return {**common, **_run_sim(cfg, ctx, strategy, cluster, script, run_dir, log)}
 
+
+def _totals(outcome, ctx) -> dict:
+    samples = outcome.iterations * ctx.global_batch
+    return {"iterations": outcome.iterations, "samples": samples, "time_s": outcome.time_s,
+            "throughput": samples / outcome.time_s if outcome.time_s > 0 else 0.0,
+            "failures": outcome.failures, "recoveries": outcome.recoveries,
+            "lost_iterations": sum(r.get("lost_iterations", 0) for r in outcome.recoveries),
+            "status": outcome.status, "error": outcome.error}
+
+
+def _run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
     cache = SimCache(ctx.cost_model, enabled=cfg.backend.memoize)
-    with _progress(ctx, cfg.report.progress) as progress:
+    with _progress(ctx, cfg.report.progress, "simulating") as progress:
         outcome = run_simulation(ctx, strategy, cluster, script, cache, log, progress)
     first = outcome.first_result
     if first is not None and cfg.report.gantt:
         _draw_gantt(first, run_dir, cfg, ctx)
-    samples = outcome.iterations * ctx.global_batch
     log({"event": "end", "status": outcome.status, "iterations": outcome.iterations, "time_s": outcome.time_s})
     return {
-        "microbatches": ctx.microbatches, "global_batch": ctx.global_batch, "seq_len": ctx.seq_len,
-        "iterations": outcome.iterations, "samples": samples, "time_s": outcome.time_s,
-        "throughput": samples / outcome.time_s if outcome.time_s > 0 else 0.0,
-        "failures": outcome.failures, "recoveries": outcome.recoveries,
-        "lost_iterations": sum(r.get("lost_iterations", 0) for r in outcome.recoveries),
+        **_totals(outcome, ctx),
         "peak_memory_bytes": [int(outcome.peak_memory_bytes[w]) for w in sorted(outcome.peak_memory_bytes)],
-        "status": outcome.status, "error": outcome.error,
         "iteration_time_s": first.iteration_time if first else None,
         "bubble_fraction": first.bubble_fraction() if first else None,
-        "plans_simulated": cache.distinct_plans, "failure_script": script.description,
-        "model_parameters": ctx.spec.parameters,
+        "plans_simulated": cache.distinct_plans,
     }
+
+
+def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
+    engine = local_engine(cfg, ctx, strategy, run_dir)
+    with _progress(ctx, cfg.report.progress, "training") as progress:
+        outcome = run_local(ctx, engine, strategy, cluster, script, log, progress)
+    result = {**_totals(outcome, ctx), "losses": outcome.losses, "checkpoints": outcome.checkpoints,
+              "peak_memory_bytes": [engine.peak_memory[w] for w in sorted(engine.peak_memory)],
+              "final_state": None, "matches_fault_free": None}
+    if outcome.status == "ok":
+        state = engine.final_state()
+        result["final_state"] = str(save_pretrained(state, ctx.spec, run_dir / "final_model"))
+        if cfg.report.check_fault_free and strategy.name != "none":
+            ref_losses, ref_state = fault_free_reference(cfg, ctx)
+            difference = compare(outcome.losses, state, ref_losses, ref_state)
+            result["matches_fault_free"] = difference is None
+            result["fault_free_difference"] = difference
+            log({"event": "equivalence", "matches_fault_free": difference is None, "difference": difference})
+    log({"event": "end", "status": outcome.status, "iterations": outcome.iterations, "time_s": outcome.time_s})
+    return result
+
+
+def local_engine(cfg, ctx, strategy, run_dir: Path | None) -> LocalEngine:
+    try:
+        data = make_source(cfg.train.data, ctx.spec, ctx.seq_len, ctx.seed, cfg.train.data_path)
+    except ValueError as err:
+        raise ConfigError("train.data_path" if cfg.train.data == "text" else "train.data", str(err),
+                          "point train.data_path at a local text file, or use train.data=synthetic") from None
+    store = None
+    if run_dir is not None and getattr(strategy, "checkpoint_mode", None) in (FILE, SNAPSHOT):
+        store = CheckpointStore(run_dir / "checkpoints", keep=cfg.strategy.get("keep", 2))
+    return LocalEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, store, cfg.backend.dtype)
+
+
+def fault_free_reference(cfg, ctx) -> tuple[list[float], dict]:
+    """Losses and final weights of the same training with no failures and no fault tolerance."""
+    strategy = NoFaultTolerance(cfg.strategy, ctx)
+    cluster = Cluster.from_config(cfg.cluster)
+    engine = local_engine(cfg, ctx, strategy, None)
+    outcome = run_local(ctx, engine, strategy, cluster, FailureScript([], iter(())), lambda record: None)
+    return outcome.losses, engine.final_state()
 
 
 def _draw_gantt(result, run_dir: Path, cfg, ctx) -> None:
@@ -128,13 +187,13 @@ def _draw_gantt(result, run_dir: Path, cfg, ctx) -> None:
 class _progress:
     """tqdm over iterations when stderr is a terminal; a no-op callable otherwise."""
 
-    def __init__(self, ctx, enabled: bool):
-        self.ctx, self.enabled, self.bar = ctx, enabled, None
+    def __init__(self, ctx, enabled: bool, desc: str):
+        self.ctx, self.enabled, self.desc, self.bar = ctx, enabled, desc, None
 
     def __enter__(self):
         if self.enabled:
             from tqdm import tqdm
-            self.bar = tqdm(total=self.ctx.iterations, unit="it", desc="simulating", disable=None, leave=False)
+            self.bar = tqdm(total=self.ctx.iterations, unit="it", desc=self.desc, disable=None, leave=False)
         return self
 
     def __call__(self, iteration: int) -> None:

@@ -243,37 +243,48 @@ def _stage_order(stage: int, pp: int, m: int, pipeline: int, *, warmup: int,
     return ops + [Op(OPT, stage, NO_MICROBATCH, pipeline)]
 
 
-def _grid(pp: int, m: int, dp: int, name: str, order) -> Schedule:
-    ops = {grid_worker(d, s, pp): order(s, d) for d in range(dp) for s in range(pp)}
-    return Schedule(ops, stages=(pp,) * dp, microbatches=(m,) * dp, name=name)
+def _per_pipeline(m, dp: int) -> tuple[int, ...]:
+    """Micro-batches per pipeline: one count for all, or one per pipeline (an uneven split
+    keeps the global batch when it does not divide by the pipeline count)."""
+    counts = (m,) * dp if isinstance(m, int) else tuple(m)
+    if len(counts) != dp or min(counts) < 1:
+        raise ScheduleError(f"need {dp} positive micro-batch counts, got {counts}")
+    return counts
 
 
-def gpipe(pp: int, m: int, dp: int = 1) -> Schedule:
+def _grid(pp: int, m, dp: int, name: str, order) -> Schedule:
+    counts = _per_pipeline(m, dp)
+    ops = {grid_worker(d, s, pp): order(s, d, counts[d]) for d in range(dp) for s in range(pp)}
+    return Schedule(ops, stages=(pp,) * dp, microbatches=counts, name=name)
+
+
+def gpipe(pp: int, m, dp: int = 1) -> Schedule:
     """All forwards, then all backwards (last micro-batch first)."""
-    def order(s, d):
+    def order(s, d, m):
         return ([Op(F, s, j, d) for j in range(m)] + [Op(BW, s, j, d) for j in reversed(range(m))]
                 + [Op(OPT, s, NO_MICROBATCH, d)])
     return _grid(pp, m, dp, "gpipe", order)
 
 
-def one_f_one_b(pp: int, m: int, dp: int = 1) -> Schedule:
+def one_f_one_b(pp: int, m, dp: int = 1) -> Schedule:
     """1F1B: stage s runs pp-s-1 warm-up forwards, so at most pp-s micro-batches are stashed."""
-    return _grid(pp, m, dp, "1f1b", lambda s, d: _stage_order(
+    return _grid(pp, m, dp, "1f1b", lambda s, d, m: _stage_order(
         s, pp, m, d, warmup=min(pp - s - 1, m), split=False, defer=0))
 
 
-def zb_h1(pp: int, m: int, dp: int = 1) -> Schedule:
+def zb_h1(pp: int, m, dp: int = 1) -> Schedule:
     """ZB-H1: 1F1B's warm-up (so 1F1B's activation memory), B and W split, and stage s lets
     s weight-gradient passes wait: downstream stages have that much slack at the end, so the
     deferred Ws fill the cool-down bubble instead of delaying the B chain."""
-    return _grid(pp, m, dp, "zb-h1", lambda s, d: _stage_order(
+    return _grid(pp, m, dp, "zb-h1", lambda s, d, m: _stage_order(
         s, pp, m, d, warmup=min(pp - s - 1, m), split=True, defer=s))
 
 
 GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
 
 
-def generate(name: str, pp: int, m: int, dp: int = 1) -> Schedule:
+def generate(name: str, pp: int, m, dp: int = 1) -> Schedule:
+    """`m`: micro-batches per pipeline, one int for all or a tuple with one per pipeline."""
     from ftbench.errors import ConfigError
 
     if name not in GENERATORS:

@@ -3,9 +3,14 @@ from __future__ import annotations
 
 from ftbench.errors import ConfigError
 from strategies.base import Recovery, Strategy
+from strategies.checkfreq import CheckFreq
+from strategies.checkpoint import CheckpointRestart
+from strategies.elastic_horovod import ElasticHorovod
 from strategies.none import NoFaultTolerance
+from strategies.varuna import Varuna
 
-REGISTRY: dict[str, type] = {"none": NoFaultTolerance}
+REGISTRY: dict[str, type] = {cls.name: cls for cls in (NoFaultTolerance, CheckpointRestart, CheckFreq,
+                                                       ElasticHorovod, Varuna)}
 
 
 def build_strategy(cfg, ctx) -> Strategy:

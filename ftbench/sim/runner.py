@@ -16,6 +16,8 @@ from ftbench.costs import PlanCosts
 from ftbench.failures import FailureEvent, FailureScript
 from ftbench.plan import Plan
 from ftbench.schedule import check_coverage
+from ftbench.actions import RestoreCheckpoint, SaveCheckpoint
+from ftbench.sim.recovery import CheckpointLedger, action_seconds, save_cost
 from ftbench.sim.simulator import SimResult, simulate
 
 # A failure scripted "at iteration k" strikes this far into iteration k.
@@ -94,7 +96,8 @@ def run_simulation(ctx, strategy, cluster: Cluster, script: FailureScript, cache
     horizon = ctx.max_hours * 3600.0 if ctx.max_hours is not None else math.inf
     events = _Events(script)
     plan = strategy.plan(cluster)
-    t, it = 0.0, 0
+    ckpt = _Checkpointing(strategy, ctx.cost_model, log)
+    t, it = ckpt.save(plan, 0, 0.0), 0
     while it < ctx.iterations and t < horizon:
         result = cache(plan)
         if out.first_result is None:
@@ -105,7 +108,7 @@ def run_simulation(ctx, strategy, cluster: Cluster, script: FailureScript, cache
         if T <= 0:
             raise ValueError(f"plan {plan.name!r} has a zero iteration time")
         t_event = events.next_time(t, it, T)
-        n = min(ctx.iterations - it, _whole(t_event - t, T), _whole(horizon - t, T))
+        n = min(ctx.iterations - it, _whole(t_event - t, T), _whole(horizon - t, T), ckpt.until_next(plan, it, T))
         if n > 0:
             log({"event": "iterations", "first": it, "last": it + n - 1, "count": n, "iteration_time_s": T,
                  "time_s": t + n * T, "samples": (it + n) * ctx.global_batch, "plan": plan.name})
@@ -114,17 +117,66 @@ def run_simulation(ctx, strategy, cluster: Cluster, script: FailureScript, cache
                 progress(it)
         if it >= ctx.iterations:
             break
+        if ckpt.due(it):
+            t = ckpt.save(plan, it, t)
+            continue
         if t_event < min(t + T, horizon):
-            # The event strikes during iteration `it`: that iteration's work is lost.
             event = events.pop(t_event)
-            t = max(t, t_event)
-            plan = _membership_change(event, strategy, cluster, ctx, out, log, t, it) or plan
+            if event.kind == "join":
+                # A join takes effect at the next iteration boundary; no work is lost.
+                if it < ctx.iterations and t + T <= horizon:
+                    log({"event": "iterations", "first": it, "last": it, "count": 1, "iteration_time_s": T,
+                         "time_s": t + T, "samples": (it + 1) * ctx.global_batch, "plan": plan.name})
+                    it, t = it + 1, t + T
+                t = max(t, t_event)
+            else:
+                t = max(t, t_event)  # the event strikes during iteration `it`: that iteration's work is lost
+            new_plan, it, t = _membership_change(event, strategy, cluster, ctx, out, log, t, it, plan, ckpt)
+            plan = new_plan or plan
             if out.status != "ok":
                 break
         elif t + T > horizon:
             break  # the next iteration would not finish before train.max_hours
     out.iterations, out.time_s = it, t
     return out
+
+
+class _Checkpointing:
+    """Periodic checkpoints of the strategy: when they happen, what they cost, which are durable."""
+
+    def __init__(self, strategy, cost_model, log):
+        self.strategy, self.cost_model, self.log = strategy, cost_model, log
+        self.mode = getattr(strategy, "checkpoint_mode", None)
+        self.ledger = CheckpointLedger()
+        self.every: int | None = None
+        self.last_saved: int | None = None
+        self._plan = None
+
+    def until_next(self, plan, it: int, T: float) -> int:
+        if self.mode is None:
+            return 2**62
+        if self.every is None or plan is not self._plan:
+            cost = save_cost(self.mode, plan, self.cost_model)
+            self.every = self.strategy.checkpoint_interval(T, cost.stall_s, cost.persist_s)
+            self._plan = plan
+            self.log({"event": "checkpoint_interval", "every": self.every})
+        return (it // self.every + 1) * self.every - it
+
+    def due(self, it: int) -> bool:
+        return (self.mode is not None and self.every is not None and it % self.every == 0
+                and it != self.last_saved)
+
+    def save(self, plan, it: int, t: float) -> float:
+        """Charge a checkpoint after iteration `it`; returns the time training resumes."""
+        if self.mode is None:
+            return t
+        cost = save_cost(self.mode, plan, self.cost_model)
+        resume = t + cost.stall_s
+        self.last_saved = it
+        self.ledger.add(it, resume + cost.persist_s)
+        self.log({"event": "checkpoint", "iteration": it, "mode": self.mode, "stall_s": cost.stall_s,
+                  "persist_s": cost.persist_s, "time_s": resume})
+        return resume
 
 
 def _whole(span: float, T: float) -> int:
@@ -134,10 +186,11 @@ def _whole(span: float, T: float) -> int:
     return max(int(math.floor(span / T + 1e-9)), 0) if T > 0 else 2**62
 
 
-def _membership_change(event, strategy, cluster, ctx, out, log, t, it):
+def _membership_change(event, strategy, cluster, ctx, out, log, t, it, plan, ckpt):
+    """Apply an event and charge the strategy's recovery; returns (plan or None, iteration, time)."""
     if event.kind == "fail":
         if not cluster.is_alive(event.node):
-            return None  # already down: nothing changes
+            return None, it, t  # already down: nothing changes
         cluster.fail(event.node)
         out.failures += 1
     else:
@@ -147,7 +200,24 @@ def _membership_change(event, strategy, cluster, ctx, out, log, t, it):
     if recovery.unrecoverable:
         out.status, out.error = "unrecoverable", recovery.unrecoverable
         log({"event": "unrecoverable", "time_s": t, "iteration": it, "reason": recovery.unrecoverable})
-    return recovery.plan
+        return None, it, t
+    if not recovery.actions:
+        return recovery.plan, it, t
+    new = recovery.plan or plan
+    seconds, restored = 0.0, it
+    for action in recovery.actions:
+        if isinstance(action, SaveCheckpoint):
+            ckpt.ledger.add(it, t + seconds)
+        if isinstance(action, RestoreCheckpoint):
+            restored = ckpt.ledger.restorable(t + seconds)
+            ckpt.last_saved = restored  # resuming from it: no need to write it again
+        seconds += action_seconds(action, plan, new, ctx.cost_model)
+    record = {"time_s": t, "iteration": it, "recovery_s": seconds, "lost_iterations": it - restored,
+              "restored_iteration": restored, "actions": [type(a).__name__ for a in recovery.actions],
+              "plan": new.name}
+    out.recoveries.append(record)
+    log({"event": "recovery", **record})
+    return recovery.plan, restored, t + seconds
 
 
 def _fits_memory(result: SimResult, ctx, out: SimOutcome, log, t: float, it: int) -> bool:

@@ -1,0 +1,199 @@
+"""The local backend's state: every worker of a plan inside one process, real tensors.
+
+`LocalEngine` builds workers for a plan, runs iterations through the `Executor`, destroys
+failed workers, and performs recovery actions for real: checkpoint files are written and
+read, in-memory commits are copied, replacements are waited for. It holds no strategy logic.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ftbench.actions import FILE, MEMORY, SNAPSHOT, RestartJob, RestoreCheckpoint, WaitForReplacement
+from ftbench.checkpoint import CheckpointStore
+from ftbench.engine.executor import Executor, IterationResult
+from ftbench.engine.worker import StageReplica, Worker
+from ftbench.errors import UserError
+from models.data import batch
+from models.gpt import build_stage, state_dict_from_stages
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}  # the choices of backend.dtype
+
+
+@dataclass
+class SaveCost:
+    stall_s: float  # training waits this long
+    persist_s: float  # then files are written in the background this long (0 when synchronous)
+
+
+class LocalEngine:
+    def __init__(self, ctx, data, lr: float, weight_decay: float, store: CheckpointStore | None,
+                 dtype: str = "float32"):
+        self.ctx, self.data, self.store = ctx, data, store
+        self.lr, self.weight_decay, self.dtype = lr, weight_decay, DTYPES[dtype]
+        self.workers: dict[int, Worker] = {}
+        self.executor = Executor(self.workers)
+        self.plan = None
+        self.peak_memory: dict[int, int] = {}
+
+    # -- building state -----------------------------------------------------------------
+    def _new_replica(self, plan, pipeline: int, stage: int) -> StageReplica:
+        first, end = plan.layers(pipeline, stage)
+        module = build_stage(self.ctx.spec, self.ctx.seed, first, end, stage == 0,
+                             plan.is_last_stage(pipeline, stage)).to(self.dtype)
+        return StageReplica(stage, module, self.lr, self.weight_decay)
+
+    def build(self, plan) -> None:
+        """Start `plan` from scratch: fresh workers with the initial weights (as new processes would)."""
+        for worker in self.workers.values():
+            worker.destroy()
+        self.workers.clear()
+        self.plan = None
+        self.adopt(plan)
+
+    def adopt(self, plan) -> None:
+        """Continue with `plan`, keeping the replicas workers already hold; replicas a worker
+        newly needs start from the initial weights until a restore fills them."""
+        for w, held in plan.holds.items():
+            worker = self.workers.get(w)
+            if worker is None or not worker.alive:
+                worker = self.workers[w] = Worker(w)
+            for pipeline, stage in held:
+                have = worker.replicas.get(stage)
+                if have is None or have.layers != plan.layers(pipeline, stage):
+                    worker.replicas[stage] = self._new_replica(plan, pipeline, stage)
+        self.plan = plan
+
+    # -- training -----------------------------------------------------------------------
+    def run_iteration(self, iteration: int, stop_after: int | None = None) -> IterationResult:
+        schedule = self.plan.schedule
+        offsets = [sum(schedule.microbatches[:p]) for p in range(len(schedule.microbatches))]
+        b = self.ctx.microbatch_size
+
+        def tokens(pipeline: int, microbatch: int) -> torch.Tensor:
+            # The samples of iteration i are fixed by (seed, i): micro-batch k of pipeline p holds
+            # global samples (offset_p + k) * b ... + b - 1, whoever computes them.
+            first = (offsets[pipeline] + microbatch) * b
+            return batch(self.data, iteration, range(first, first + b))
+
+        normaliser = float(self.ctx.global_batch * (self.ctx.seq_len - 1))
+        result = self.executor.run(self.plan, tokens, normaliser, stop_after)
+        self._track_memory()
+        return result
+
+    def ops_per_iteration(self) -> int:
+        return sum(len(ops) for ops in self.plan.schedule.ops.values())
+
+    def abandon_iteration(self) -> None:
+        """The iteration in flight is lost: survivors drop its stash, deferred W and gradients."""
+        for worker in self.workers.values():
+            if worker.alive:
+                for replica in worker.replicas.values():
+                    replica.reset_iteration()
+
+    def destroy(self, worker_ids) -> None:
+        for w in worker_ids:
+            if w in self.workers:
+                self.workers[w].destroy()
+
+    def _track_memory(self) -> None:
+        for w, worker in self.workers.items():
+            if worker.alive:
+                state = sum(r.state_bytes() for r in worker.replicas.values())
+                self.peak_memory[w] = max(self.peak_memory.get(w, 0), state + worker.peak_activation_bytes)
+
+    # -- checkpoints --------------------------------------------------------------------
+    def _writers(self) -> dict[int, StageReplica]:
+        """One live replica per stage: the data-parallel rank 0 that writes the stage's shard."""
+        writers = {}
+        for w in sorted(self.plan.holds):
+            worker = self.workers[w]
+            if worker.alive:
+                for stage, replica in sorted(worker.replicas.items()):
+                    writers.setdefault(stage, replica)
+        return writers
+
+    def save(self, iteration: int, mode: str) -> SaveCost:
+        started = time.perf_counter()
+        if mode == MEMORY:
+            for w in self.plan.holds:
+                for replica in self.workers[w].replicas.values():
+                    replica.commit = {"iteration": iteration, "shard": replica.shard()}
+            return SaveCost(time.perf_counter() - started, 0.0)
+        shards = {f"stage{s}": r.shard() for s, r in self._writers().items()}
+        if mode == FILE:
+            self.store.save(iteration, shards)
+            return SaveCost(time.perf_counter() - started, 0.0)
+        if mode == SNAPSHOT:
+            self.store.save_async(iteration, shards)  # shard() already copied: that is the snapshot
+            return SaveCost(time.perf_counter() - started, 0.0)
+        raise ValueError(f"unknown checkpoint mode {mode!r}")
+
+    def lose_unfinished_persist(self) -> None:
+        """A node failure kills a persist still in flight: that checkpoint never completes."""
+        pending = getattr(self.store, "pending", None) if self.store is not None else None
+        if pending is not None and not pending.done():
+            self.store.wait()
+            self.store.discard(pending.iteration)
+
+    def restore(self, source: str, plan) -> int:
+        """Load the newest usable checkpoint into every replica of `plan`; the iteration it holds."""
+        if source == MEMORY:
+            commits = [r.commit for worker in self.workers.values() if worker.alive
+                       for r in worker.replicas.values() if r.commit is not None]
+            self.adopt(plan)
+            if not commits:
+                raise UserError("unrecoverable", "no in-memory commit survived the failure")
+            iteration = min(c["iteration"] for c in commits)
+            shards = [c["shard"] for c in commits if c["iteration"] == iteration]
+        else:
+            self.adopt(plan)
+            loaded = self.store.load() if self.store is not None else None
+            if loaded is None:
+                warnings.warn("no usable checkpoint: restarting from the initial weights (iteration 0)")
+                self.build(plan)
+                return 0
+            iteration, by_name = loaded
+            shards = list(by_name.values())
+        model = {k: v for s in shards for k, v in s["model"].items()}
+        optim = {k: v for s in shards for k, v in s["optim"].items()}
+        for w in plan.holds:
+            for replica in self.workers[w].replicas.values():
+                try:
+                    replica.load(model, optim)
+                except KeyError as missing:
+                    raise UserError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
+                                    "replica: every copy of it was lost") from None
+        return iteration
+
+    def perform(self, actions, plan) -> int | None:
+        """Carry out a recovery; returns the iteration restored to (None: no rollback)."""
+        restored = None
+        for action in actions:
+            if isinstance(action, WaitForReplacement):
+                time.sleep(action.seconds)
+            elif isinstance(action, RestartJob):
+                self.build(plan)
+            elif isinstance(action, RestoreCheckpoint):
+                restored = self.restore(action.source, plan)
+            else:
+                raise TypeError(f"the local backend cannot perform {action!r}")
+        if self.plan is not plan:
+            self.adopt(plan)
+        return restored
+
+    # -- results ------------------------------------------------------------------------
+    def final_state(self) -> dict[str, torch.Tensor]:
+        """The trained model in the Hugging Face GPT2LMHeadModel layout, after checking that
+        every data-parallel replica of each stage holds the same weights."""
+        writers = self._writers()
+        for w in self.plan.holds:
+            for stage, replica in self.workers[w].replicas.items():
+                ref = writers[stage].named_parameters()
+                for name, p in replica.named_parameters().items():
+                    if not torch.equal(p, ref[name]):
+                        raise RuntimeError(f"replicas of stage {stage} diverged at {name}")
+        return state_dict_from_stages([writers[s].module for s in sorted(writers)])

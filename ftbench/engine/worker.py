@@ -1,0 +1,135 @@
+"""Workers of the local backend and the training state they hold.
+
+A worker (one simulated GPU) keeps one `StageReplica` per pipeline stage it holds: the stage's
+modules, AdamW state, the activation stash and the deferred weight-gradient store. A failure
+calls `Worker.destroy()`: every tensor is freed (parameters emptied, optimizer state and
+stash dropped) and any later access raises `WorkerFailed`, so a strategy can only get the
+state back through its own recovery actions.
+"""
+from __future__ import annotations
+
+import torch
+
+from ftbench.engine.deferred import WeightGradStore, make_deferrable
+from models.gpt import Stage
+
+
+class WorkerFailed(RuntimeError):
+    """Something read the state of a worker that has failed."""
+
+
+def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The one optimizer definition, shared with the single-process reference (foreach off:
+    the per-parameter loop makes every replica's arithmetic identical whatever its layout)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
+
+
+class StageReplica:
+    """One copy of one stage's state on one worker."""
+
+    def __init__(self, stage: int, module: Stage, lr: float, weight_decay: float):
+        self.stage, self.layers = stage, (module.first, module.end)
+        self.store = WeightGradStore()
+        self._module = make_deferrable(module, self.store)
+        self._optimizer = make_optimizer(module.parameters(), lr, weight_decay)
+        self.names = module.hf_names()  # local parameter name -> Hugging Face GPT-2 name
+        self.stash: dict = {}  # (pipeline, microbatch) -> (stage input, stage output or loss)
+        self.commit: dict | None = None  # in-memory commit (Elastic Horovod): {"iteration", "shard"}
+        self.alive = True
+
+    # -- guarded state ------------------------------------------------------------------
+    def _check(self) -> None:
+        if not self.alive:
+            raise WorkerFailed(f"stage {self.stage} replica belongs to a failed worker; its state was destroyed")
+
+    @property
+    def module(self) -> Stage:
+        self._check()
+        return self._module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        self._check()
+        return self._optimizer
+
+    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Parameters by their Hugging Face name (the checkpoint and final-state key)."""
+        return {self.names[n]: p for n, p in self.module.named_parameters()}
+
+    # -- state in and out ---------------------------------------------------------------
+    def shard(self) -> dict:
+        """Weights and AdamW state, keyed by Hugging Face names, as independent copies."""
+        params = self.named_parameters()
+        optim = {}
+        for name, p in params.items():
+            state = self.optimizer.state.get(p)
+            if state:
+                optim[name] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        return {"model": {n: p.detach().clone() for n, p in params.items()}, "optim": optim}
+
+    def load(self, model: dict, optim: dict) -> None:
+        """Take weights and AdamW state from merged shards (any partition)."""
+        opt = self.optimizer
+        with torch.no_grad():
+            for name, p in self.named_parameters().items():
+                if name not in model:
+                    raise KeyError(name)
+                p.copy_(model[name])
+                opt.state.pop(p, None)
+                if name in optim:
+                    opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in optim[name].items()}
+
+    def reset_iteration(self) -> None:
+        """Drop what an abandoned iteration left behind: stash, deferred W, gradients."""
+        self.stash.clear()
+        self.store.clear()
+        if self.alive:
+            self._optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> int:
+        """Weights + gradients + AdamW moments held by this replica."""
+        n = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        return 2 * n + sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
+                           for v in s.values() if torch.is_tensor(v))
+
+    def destroy(self) -> None:
+        if not self.alive:
+            return
+        for p in self._module.parameters():
+            p.data = torch.empty(0)
+            p.grad = None
+        self._optimizer.state.clear()
+        self.stash.clear()
+        self.store.clear()
+        self.commit = None
+        self.alive = False
+        self._module = self._optimizer = None
+
+
+class Worker:
+    def __init__(self, worker_id: int):
+        self.id = worker_id
+        self._replicas: dict[int, StageReplica] | None = {}
+        self.peak_activation_bytes = 0
+
+    @property
+    def alive(self) -> bool:
+        return self._replicas is not None
+
+    @property
+    def replicas(self) -> dict[int, StageReplica]:
+        if self._replicas is None:
+            raise WorkerFailed(f"worker {self.id} has failed; its parameters, gradients, optimizer state "
+                               "and stash were destroyed")
+        return self._replicas
+
+    def replica(self, stage: int) -> StageReplica:
+        replicas = self.replicas
+        if stage not in replicas:
+            raise KeyError(f"worker {self.id} holds no replica of stage {stage} (it holds {sorted(replicas)})")
+        return replicas[stage]
+
+    def destroy(self) -> None:
+        for replica in (self._replicas or {}).values():
+            replica.destroy()
+        self._replicas = None

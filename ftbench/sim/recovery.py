@@ -1,0 +1,109 @@
+"""What recovery actions and checkpoints cost in the simulator, from the cost model.
+
+Bytes come from the plan (which worker holds which layers) and the model shape; seconds
+from the hardware profile: checkpoint files over `storage_gbps` per node (nodes write in
+parallel, workers on one node share it), host copies over `host_gbps` per GPU, process
+restarts `restart_s`, a rendezvous of survivors `rendezvous_s`. No per-model constants.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ftbench.actions import FILE, MEMORY, SNAPSHOT, Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, WaitForReplacement
+from ftbench.plan import Plan
+
+# fp32 master weights + Adam's two moments; the fp16 working weights are re-cast from the master copy.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+@dataclass
+class SaveCost:
+    stall_s: float  # training waits this long
+    persist_s: float  # then storage is written in the background this long
+
+
+def _replica_bytes(plan: Plan, cost_model) -> dict[int, float]:
+    """Checkpointed bytes each worker holds."""
+    out = defaultdict(float)
+    for w, held in plan.holds.items():
+        for pipeline, stage in held:
+            layers = plan.layers(pipeline, stage)
+            params = cost_model.stage(layers, stage == 0, plan.is_last_stage(pipeline, stage)).params
+            out[w] += CHECKPOINT_BYTES_PER_PARAM * params
+    return out
+
+
+def _writer_node_bytes(plan: Plan, cost_model) -> dict[int, float]:
+    """Bytes each node writes when one replica per stage (data-parallel rank 0) saves."""
+    written, out = set(), defaultdict(float)
+    for w in sorted(plan.holds):
+        for pipeline, stage in plan.holds[w]:
+            if stage not in written:
+                written.add(stage)
+                layers = plan.layers(pipeline, stage)
+                params = cost_model.stage(layers, stage == 0, plan.is_last_stage(pipeline, stage)).params
+                out[plan.node_of[w]] += CHECKPOINT_BYTES_PER_PARAM * params
+    return out
+
+
+def _node_bytes(plan: Plan, cost_model) -> dict[int, float]:
+    out = defaultdict(float)
+    for w, nbytes in _replica_bytes(plan, cost_model).items():
+        out[plan.node_of[w]] += nbytes
+    return out
+
+
+def save_cost(mode: str, plan: Plan, cost_model) -> SaveCost:
+    hw = cost_model.hw
+    storage = hw.storage_gbps * 1e9
+    if mode == FILE:
+        return SaveCost(max(_writer_node_bytes(plan, cost_model).values()) / storage, 0.0)
+    if mode == SNAPSHOT:
+        copy = max(_replica_bytes(plan, cost_model).values()) / (hw.host_gbps * 1e9)
+        return SaveCost(copy, max(_writer_node_bytes(plan, cost_model).values()) / storage)
+    if mode == MEMORY:  # every worker copies its own state
+        return SaveCost(max(_replica_bytes(plan, cost_model).values()) / (hw.host_gbps * 1e9), 0.0)
+    raise ValueError(f"unknown checkpoint mode {mode!r}")
+
+
+def action_seconds(action, old: Plan, new: Plan, cost_model) -> float:
+    """Modelled duration of one recovery action moving from plan `old` to plan `new`."""
+    hw = cost_model.hw
+    if isinstance(action, WaitForReplacement):
+        return action.seconds
+    if isinstance(action, RestartJob):
+        return hw.restart_s
+    if isinstance(action, Rendezvous):
+        return hw.rendezvous_s
+    if isinstance(action, SaveCheckpoint):
+        cost = save_cost(action.mode, old, cost_model)
+        return cost.stall_s + cost.persist_s  # before a restart the persist must finish
+    if isinstance(action, RestoreCheckpoint):
+        if action.source == MEMORY:
+            # Each worker copies its commit back; a worker taking a stage it did not hold
+            # receives that stage's state from a peer over the network.
+            seconds = max(_replica_bytes(new, cost_model).values()) / (hw.host_gbps * 1e9)
+            moved = [b for w, b in _replica_bytes(new, cost_model).items()
+                     if set(s for _, s in new.holds[w]) != set(s for _, s in old.holds.get(w, ()))]
+            return seconds + (max(moved) / (hw.inter_node_gbps * 1e9) if moved else 0.0)
+        return max(_node_bytes(new, cost_model).values()) / (hw.storage_gbps * 1e9)
+    raise TypeError(f"the simulator has no cost for {action!r}")
+
+
+class CheckpointLedger:
+    """The checkpoints a simulated job has: iteration and when it became durable."""
+
+    def __init__(self):
+        self.saved: list[tuple[int, float]] = []
+
+    def add(self, iteration: int, durable_at: float) -> None:
+        self.saved.append((iteration, durable_at))
+
+    def restorable(self, t: float) -> int:
+        """The newest checkpoint durable by time t; 0 (the initial state, re-created from the
+        seed) when none is. Later ones are gone: they belong to the abandoned timeline."""
+        done = [i for i, at in self.saved if at <= t]
+        iteration = max(done, default=0)
+        self.saved = [(i, at) for i, at in self.saved if i <= iteration and at <= t]
+        return iteration

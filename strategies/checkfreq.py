@@ -1,0 +1,37 @@
+"""`checkfreq`: CheckFreq (Mohan et al., FAST 2021) on top of checkpoint restart.
+
+Checkpoints are two-phase: a *snapshot* copies the state to host memory (training stalls
+only for this copy), then a background thread *persists* it to storage while training goes
+on. A new snapshot waits for the previous persist. The frequency is tuned so the stall stays
+under `overhead_bound` of training time, and no more often than a persist takes. A failure
+during a persist loses that checkpoint: recovery uses the previous one.
+"""
+from __future__ import annotations
+
+import math
+
+from ftbench.actions import SNAPSHOT
+from strategies.checkpoint import CheckpointRestart
+
+
+class CheckFreq(CheckpointRestart):
+    name = "checkfreq"
+    checkpoint_mode = SNAPSHOT
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        if not 0 < cfg.overhead_bound < 1:
+            from ftbench.errors import ConfigError
+            raise ConfigError("strategy.overhead_bound", f"must be in (0, 1), got {cfg.overhead_bound}",
+                              "give the tolerated fraction of iteration time, e.g. strategy.overhead_bound=0.035")
+        self.overhead_bound = cfg.overhead_bound
+
+    def _needs_mtbf(self) -> bool:
+        return False  # CheckFreq tunes from measured costs alone
+
+    def checkpoint_interval(self, iteration_s: float, stall_s: float, persist_s: float) -> int:
+        if self.every is not None:
+            return self.every
+        by_overhead = math.ceil(stall_s / (self.overhead_bound * iteration_s))
+        by_persist = math.ceil(persist_s / iteration_s)  # the next snapshot would wait for this persist
+        return max(1, by_overhead, by_persist)

@@ -1,0 +1,83 @@
+"""`checkpoint`: checkpoint restart, the baseline every fault-tolerant system compares with.
+
+Every `every` iterations the job writes its state (weights + AdamW state, one file per
+stage) to storage. When a node that runs a worker fails, the whole job stops: a standby node
+takes its place at once (`cluster.spares`), or a new one is provisioned (`cluster.replacement_s`);
+every process restarts, reloads the newest checkpoint that verifies, and redoes the
+iterations since. With `every: null` the interval follows Young/Daly from the node MTBF and
+the measured (local) or modelled (sim) checkpoint cost.
+"""
+from __future__ import annotations
+
+import math
+
+from ftbench.actions import FILE, RestartJob, RestoreCheckpoint, WaitForReplacement
+from ftbench.cluster import Cluster
+from ftbench.errors import ConfigError
+from ftbench.failures import FailureEvent
+from ftbench.plan import Plan
+from strategies.base import Recovery
+
+
+def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:
+    """Daly's first-order optimum sqrt(2 C M) - C (Young's sqrt(2 C M), less the write itself),
+    for a checkpoint costing C seconds and a job MTBF of M seconds."""
+    if cost_s >= mtbf_s / 2:
+        return mtbf_s  # Daly's rule for expensive checkpoints
+    return math.sqrt(2.0 * cost_s * mtbf_s) - cost_s
+
+
+class CheckpointRestart:
+    name = "checkpoint"
+    checkpoint_mode: str | None = FILE
+
+    def __init__(self, cfg, ctx):
+        self.cfg, self.ctx = cfg, ctx
+        self.every = cfg.every
+        self.mtbf_hours = cfg.mtbf_hours if cfg.mtbf_hours is not None else ctx.node_mtbf_hours
+        if self.every is not None and self.every < 1:
+            raise ConfigError("strategy.every", f"must be at least 1 iteration, got {self.every}",
+                              "set strategy.every to a positive number of iterations, or null for the tuned interval")
+        if self.every is None and self._needs_mtbf() and self.mtbf_hours is None:
+            raise ConfigError("strategy.every", "null asks for the Young/Daly interval, which needs the node MTBF",
+                              "set strategy.mtbf_hours (or use failures=poisson with failures.mtbf_hours), "
+                              "or give a fixed strategy.every")
+        self.current: Plan | None = None
+
+    def _needs_mtbf(self) -> bool:
+        return True
+
+    # -- plan ---------------------------------------------------------------------------
+    def plan(self, cluster: Cluster) -> Plan:
+        self.current = self.ctx.grid_plan(cluster.pp, cluster.dp, cluster.gpus_per_node)
+        return self.current
+
+    def nodes_in_use(self) -> set[int]:
+        return set(self.current.node_of.values())
+
+    def checkpoint_interval(self, iteration_s: float, stall_s: float, persist_s: float) -> int:
+        """Iterations between checkpoints: fixed, or Young/Daly for this job's MTBF."""
+        if self.every is not None:
+            return self.every
+        job_mtbf_s = self.mtbf_hours * 3600.0 / max(len(self.nodes_in_use()), 1)
+        return max(1, round(young_daly_interval_s(stall_s, job_mtbf_s) / iteration_s))
+
+    # -- membership ---------------------------------------------------------------------
+    def on_event(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
+        if event.node not in self.nodes_in_use():
+            if event.kind == "join":
+                cluster.spares += 1  # a repaired node waits as a standby
+            return Recovery()
+        if event.kind == "join":
+            return Recovery()
+        return self.on_failure(event, cluster, iteration)
+
+    def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
+        if cluster.spares > 0:
+            cluster.spares -= 1
+            wait = 0.0  # a standby is already up
+        else:
+            wait = cluster.replacement_s
+        cluster.join(event.node)  # the replacement takes the failed node's place
+        return Recovery(actions=[WaitForReplacement((event.node,), wait), RestartJob(), RestoreCheckpoint(FILE)],
+                        plan=self.current)

@@ -1,0 +1,59 @@
+"""`varuna`: Varuna's job morphing (Athlur et al., EuroSys 2022).
+
+Checkpoints as checkpoint restart does, but a failure does not wait for a replacement: the
+job restarts in the (pp, dp) shape that trains fastest on the workers that survive, keeping
+the global batch, and reloads the checkpoint into the new partition (checkpoints are kept
+per parameter, so any partition can read them). The shape is chosen the way Varuna does,
+by simulating each candidate with the cost model; candidates that do not fit in memory are
+skipped.
+"""
+from __future__ import annotations
+
+from ftbench.actions import FILE, RestartJob, RestoreCheckpoint
+from ftbench.cluster import Cluster
+from ftbench.costs import PlanCosts
+from ftbench.failures import FailureEvent
+from ftbench.plan import Plan
+from ftbench.sim.simulator import simulate
+from strategies.base import Recovery
+from strategies.checkpoint import CheckpointRestart
+
+
+class Varuna(CheckpointRestart):
+    name = "varuna"
+    checkpoint_mode = FILE
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        self._estimates: dict[tuple[int, int, int], float] = {}
+
+    def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
+        alive = [w for w in range(cluster.workers) if cluster.is_alive(cluster.node_of(w))]
+        best = self.best_shape(len(alive), cluster.gpus_per_node)
+        if best is None:
+            return Recovery(unrecoverable=f"no (pp, dp) shape of {self.ctx.spec.name} fits in memory on the "
+                            f"{len(alive)} surviving workers")
+        pp, dp = best
+        cluster.pp, cluster.dp = pp, dp
+        self.current = self.ctx.grid_plan(pp, dp, cluster.gpus_per_node).on_workers(alive[:pp * dp], cluster.node_of)
+        return Recovery(actions=[RestartJob(), RestoreCheckpoint(FILE)], plan=self.current)
+
+    def best_shape(self, workers: int, gpus_per_node: int) -> tuple[int, int] | None:
+        """The fastest (pp, dp) with pp*dp <= workers that fits in memory, by simulation."""
+        micro = self.ctx.global_batch // self.ctx.microbatch_size
+        best, best_time = None, float("inf")
+        for pp in range(1, min(self.ctx.spec.layers, workers) + 1):
+            dp = min(workers // pp, micro)
+            t = self._iteration_time(pp, dp, gpus_per_node)
+            if t < best_time:
+                best, best_time = (pp, dp), t
+        return best
+
+    def _iteration_time(self, pp: int, dp: int, gpus_per_node: int) -> float:
+        key = (pp, dp, gpus_per_node)
+        if key not in self._estimates:
+            plan: Plan = self.ctx.grid_plan(pp, dp, gpus_per_node)
+            result = simulate(plan.schedule, PlanCosts(self.ctx.cost_model, plan))
+            fits = max(result.peak_memory_bytes.values()) <= self.ctx.cost_model.memory_bytes
+            self._estimates[key] = result.iteration_time if fits else float("inf")
+        return self._estimates[key]
