@@ -19,7 +19,7 @@ from ftbench.metrics import MetricsWriter, WandbSink, write_summary
 from ftbench.report import format_summary, plot_gantt
 from ftbench.actions import FILE, SNAPSHOT
 from ftbench.checkpoint import CheckpointStore
-from ftbench.engine.local import LocalEngine
+from ftbench.engine.local import LocalEngine, check_fits_host
 from ftbench.engine.runner import run_local
 from ftbench.equivalence import compare
 from ftbench.failures import FailureScript
@@ -131,6 +131,7 @@ def _run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
 
 
 def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
+    check_fits_host(ctx, cfg.cluster.dp, cfg.backend.dtype)
     engine = local_engine(cfg, ctx, strategy, run_dir)
     with _progress(ctx, cfg.report.progress, "training") as progress:
         outcome = run_local(ctx, engine, strategy, cluster, script, log, progress)

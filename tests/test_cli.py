@@ -11,6 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
+SIM = ("backend=sim", "strategy=none", "failures=none")  # the default job is local; these are simulator runs
+
+
 def ftbench(tmp_path, *args):
     env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
     return subprocess.run([sys.executable, "-m", "ftbench", *args,
@@ -43,14 +46,14 @@ def test_unknown_option_exits_non_zero_without_traceback(tmp_path):
 
 
 def test_oom_exits_3_and_says_so(tmp_path):
-    out = ftbench(tmp_path, "model=gpt3-6.7b", "cluster.pp=1", "cluster.dp=1")
+    out = ftbench(tmp_path, *SIM, "model=gpt3-6.7b", "cluster.pp=1", "cluster.dp=1")
     assert out.returncode == 3
     assert "oom" in out.stderr and "Traceback" not in out.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "oom"
 
 
 def test_multirun_sweep_gives_one_folder_per_job(tmp_path):
-    out = ftbench(tmp_path, "--multirun", "schedule=1f1b,zb-h1", "model=gpt3-medium", "hardware=a100-80gb")
+    out = ftbench(tmp_path, "--multirun", *SIM, "schedule=1f1b,zb-h1", "model=gpt3-medium", "hardware=a100-80gb")
     assert out.returncode == 0, out.stderr
     summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
     assert len(summaries) == 2
@@ -62,7 +65,7 @@ def test_multirun_sweep_gives_one_folder_per_job(tmp_path):
 
 
 def test_a_sweep_records_failed_jobs_and_goes_on(tmp_path):
-    out = ftbench(tmp_path, "--multirun", "model=gpt3-6.7b", "cluster.pp=1,8", "cluster.dp=1", "hardware=a100-80gb")
+    out = ftbench(tmp_path, "--multirun", *SIM, "model=gpt3-6.7b", "cluster.pp=1,8", "cluster.dp=1", "hardware=a100-80gb")
     assert out.returncode == 0
     statuses = sorted(json.loads(p.read_text())["status"] for p in (tmp_path / "sweep").glob("*/summary.json"))
     assert statuses == ["ok", "oom"]

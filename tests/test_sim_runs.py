@@ -8,7 +8,8 @@ from conftest import compose
 from ftbench.context import RunContext
 from ftbench.metrics import SUMMARY_KEYS, read_metrics
 
-MEDIUM = ("model=gpt3-medium", "hardware=a100-80gb", "cluster.pp=4", "cluster.dp=2", "train.microbatches=8")
+SIM = ("backend=sim", "strategy=none", "failures=none")  # the default job is local; these are simulator runs
+MEDIUM = (*SIM, "model=gpt3-medium", "hardware=a100-80gb", "cluster.pp=4", "cluster.dp=2", "train.microbatches=8")
 
 
 def test_fault_free_run_writes_the_contract(tmp_path, run_config):
@@ -25,7 +26,7 @@ def test_fault_free_run_writes_the_contract(tmp_path, run_config):
 
 
 def test_gpt3_6_7b_on_one_40gb_gpu_is_an_oom_result(run_config):
-    s = run_config("model=gpt3-6.7b", "hardware=a100-40gb", "cluster.pp=1", "cluster.dp=1")
+    s = run_config(*SIM, "model=gpt3-6.7b", "hardware=a100-40gb", "cluster.pp=1", "cluster.dp=1")
     assert s["status"] == "oom"
     assert "hardware=a100-40gb" in s["error"] and "cluster.pp" in s["error"]
     # 16 bytes per parameter of Adam mixed-precision state alone is ~107 GB
@@ -34,7 +35,7 @@ def test_gpt3_6_7b_on_one_40gb_gpu_is_an_oom_result(run_config):
 
 
 def test_more_stages_fit_where_one_does_not(run_config):
-    s = run_config("model=gpt3-6.7b", "hardware=a100-80gb", "cluster.pp=8", "cluster.dp=1",
+    s = run_config(*SIM, "model=gpt3-6.7b", "hardware=a100-80gb", "cluster.pp=8", "cluster.dp=1",
                    "train.iterations=3")
     assert s["status"] == "ok" and max(s["peak_memory_bytes"]) < 80e9
 
@@ -88,7 +89,7 @@ def test_balanced_partition_gives_the_lm_head_stage_fewer_layers():
 
 def test_iteration_time_follows_the_cost_model():
     """A single-stage, single-replica plan's iteration is m x (F + B + W) + the optimizer step."""
-    ctx = RunContext.from_config(compose("model=gpt3-medium", "cluster.pp=1", "cluster.dp=1",
+    ctx = RunContext.from_config(compose(*SIM, "model=gpt3-medium", "cluster.pp=1", "cluster.dp=1",
                                          "train.microbatches=4", "hardware=a100-80gb"))
     from ftbench.costs import PlanCosts
     from ftbench.sim.simulator import simulate

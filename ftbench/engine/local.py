@@ -6,6 +6,7 @@ read, in-memory commits are copied, replacements are waited for. It holds no str
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -21,6 +22,22 @@ from models.data import batch
 from models.gpt import build_stage, state_dict_from_stages
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}  # the choices of backend.dtype
+
+
+def check_fits_host(ctx, replicas: int, dtype: str) -> None:
+    """The local backend keeps every worker's state in this process: refuse, as an `oom`
+    result, a model whose replicas plus AdamW state cannot fit in this machine's memory."""
+    width = DTYPES[dtype].itemsize
+    need = ctx.spec.parameters * width * (4 * replicas + 1)  # weights, gradients, 2 moments per replica + the init copy
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > 0.8 * have:
+        raise UserError("oom", f"the local backend would need about {need / 1e9:.1f} GB for {replicas} replicas of "
+                        f"{ctx.spec.name} ({ctx.spec.parameters / 1e6:.0f}M parameters) but this machine has "
+                        f"{have / 1e9:.1f} GB; use backend=sim for paper-scale models, or a smaller model "
+                        "(model=gpt-tiny) or cluster.dp")
 
 
 @dataclass
