@@ -36,5 +36,5 @@ def load_state(path) -> dict[str, torch.Tensor]:
     """A final_state folder (save_pretrained layout) as a state dict."""
     from transformers import GPT2LMHeadModel
 
-    model = GPT2LMHeadModel.from_pretrained(path)
+    model = GPT2LMHeadModel.from_pretrained(path, dtype="auto")  # as saved: float64 stays float64
     return {k: v for k, v in model.state_dict().items() if not k.endswith(".attn.bias")}

@@ -7,6 +7,11 @@ class UserError(Exception):
 
     status = "error"
 
+    def __init__(self, message: str, status: str | None = None):
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
 
 class ConfigError(UserError):
     """A setting with a bad value: says which setting, what is wrong, and how to fix it."""
@@ -14,3 +19,10 @@ class ConfigError(UserError):
     def __init__(self, setting: str, problem: str, fix: str):
         self.setting, self.problem, self.fix = setting, problem, fix
         super().__init__(f"Invalid setting `{setting}`: {problem}. Fix: {fix}.")
+
+
+class ResultError(UserError):
+    """A run that ends early as a result ("oom", "unrecoverable"), not because of a bad setting."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message, status)

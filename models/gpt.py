@@ -147,13 +147,15 @@ def tokens_per_sample(seq_len: int) -> int:
 
 
 def lm_loss_sum(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy, in float32: logits[:, :-1] predict input_ids[:, 1:].
+    """Summed next-token cross-entropy, in at least float32: logits[:, :-1] predict input_ids[:, 1:].
 
     Divide by (global batch * tokens_per_sample(seq_len)) and sum over micro-batches to get
     GPT2LMHeadModel(input_ids, labels=input_ids).loss on the whole global batch.
     """
     vocab = logits.shape[-1]
-    predictions = logits[:, :-1].float().reshape(-1, vocab)
+    predictions = logits[:, :-1].reshape(-1, vocab)
+    if predictions.dtype in (torch.float16, torch.bfloat16):
+        predictions = predictions.float()
     targets = input_ids[:, 1:].reshape(-1).to(logits.device)
     return nn.functional.cross_entropy(predictions, targets, reduction="sum")
 
@@ -176,6 +178,7 @@ def save_pretrained(stages_or_state_dict, spec: ModelSpec, path) -> Path:
     else:
         state = state_dict_from_stages(list(stages_or_state_dict))
     model = _build_model(gpt2_config(spec), seed=None)
+    model.to(next(iter(state.values())).dtype)  # keep the trained precision (float64 on the local backend)
     result = model.load_state_dict({k: v.detach().cpu() for k, v in state.items()}, strict=False)
     # Only non-parameter buffers (older transformers' attn.bias masks) may be missing.
     buffers = {name for name, _ in model.named_buffers()}

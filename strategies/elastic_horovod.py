@@ -22,6 +22,12 @@ class ElasticHorovod(CheckpointRestart):
 
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         pp = cluster.pp
+        held = {stage for w, replicas in self.current.holds.items() if cluster.is_alive(cluster.node_of(w))
+                for _, stage in replicas}
+        lost = sorted(set(range(pp)) - held)
+        if lost:
+            return Recovery(unrecoverable=f"every replica of stage {lost[0]} failed, and its in-memory commit with "
+                            "it; elastic-horovod keeps no copy elsewhere (use checkpoint or varuna)")
         alive = [w for w in range(cluster.workers) if cluster.is_alive(cluster.node_of(w))]
         dp = min(len(alive) // pp, self.ctx.global_batch // self.ctx.microbatch_size)
         if dp == 0:

@@ -30,3 +30,25 @@ def run(tmp_path, *overrides: str) -> dict:
 @pytest.fixture
 def run_config(tmp_path):
     return lambda *overrides: run(tmp_path, *overrides)
+
+
+# Small local runs: gpt-tiny, pp=4 x dp=2, 4 micro-batches of 1 sample per pipeline.
+LOCAL = ("backend=local", "model=gpt-tiny", "train.iterations=10", "train.microbatches=4",
+         "report.check_fault_free=false", "report.gantt=false", "cluster.replacement_s=0")
+
+
+def assert_matches_fault_free(tmp_path, setup=(), faults=()) -> dict:
+    """The equivalence check: run `setup` under `faults` (strategy and failure overrides), then
+    the same setup fault-free (strategy=none, failures=none); per-iteration losses must agree
+    to rtol 1e-5 and the saved final weights to `torch.testing.assert_close`'s tolerance.
+    Returns the faulty run's summary."""
+    from ftbench.equivalence import compare, load_state
+
+    faulty = run(tmp_path / "faulty", *LOCAL, *setup, *faults)
+    assert faulty["status"] == "ok", faulty["error"]
+    reference = run(tmp_path / "fault-free", *LOCAL, *setup, "strategy=none", "failures=none")
+    assert reference["status"] == "ok", reference["error"]
+    difference = compare(faulty["losses"], load_state(faulty["final_state"]),
+                         reference["losses"], load_state(reference["final_state"]))
+    assert difference is None, difference
+    return faulty

@@ -60,6 +60,9 @@ class _DeferrableMatmul(torch.autograd.Function):
         if bias is not None:
             y = y + bias
         ctx.save_for_backward(x2, weight)
+        # The Parameter itself, for W: a saved tensor may come back as an alias (saved-tensor
+        # hooks), and a gradient set on an alias would never reach the optimizer.
+        ctx.param = weight
         ctx.store, ctx.transposed, ctx.has_bias, ctx.in_shape = store, transposed, bias is not None, x.shape
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -72,7 +75,7 @@ class _DeferrableMatmul(torch.autograd.Function):
         gweight = None
         if ctx.needs_input_grad[1]:
             if ctx.store.recording is not None:
-                ctx.store.record(weight, x2, gy2, ctx.transposed)
+                ctx.store.record(ctx.param, x2, gy2, ctx.transposed)
             else:
                 gweight = gy2.t() @ x2 if ctx.transposed else x2.t() @ gy2
         return (gx.reshape(ctx.in_shape) if gx is not None else None), gweight, gbias, None, None

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ftbench.actions import FILE, MEMORY, SNAPSHOT, RestartJob, RestoreCheckpoint, WaitForReplacement
+from ftbench.actions import (FILE, MEMORY, SNAPSHOT, Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint,
+                             WaitForReplacement)
 from ftbench.checkpoint import CheckpointStore
 from ftbench.engine.executor import Executor, IterationResult
 from ftbench.engine.worker import StageReplica, Worker
-from ftbench.errors import UserError
+from ftbench.errors import ResultError
 from models.data import batch
 from models.gpt import build_stage, state_dict_from_stages
 
@@ -34,7 +35,7 @@ def check_fits_host(ctx, replicas: int, dtype: str) -> None:
     except (ValueError, OSError, AttributeError):
         return
     if need > 0.8 * have:
-        raise UserError("oom", f"the local backend would need about {need / 1e9:.1f} GB for {replicas} replicas of "
+        raise ResultError("oom", f"the local backend would need about {need / 1e9:.1f} GB for {replicas} replicas of "
                         f"{ctx.spec.name} ({ctx.spec.parameters / 1e6:.0f}M parameters) but this machine has "
                         f"{have / 1e9:.1f} GB; use backend=sim for paper-scale models, or a smaller model "
                         "(model=gpt-tiny) or cluster.dp")
@@ -78,9 +79,11 @@ class LocalEngine:
             worker = self.workers.get(w)
             if worker is None or not worker.alive:
                 worker = self.workers[w] = Worker(w)
+            wanted = {stage: plan.layers(pipeline, stage) for pipeline, stage in held}
+            for stage in [s for s, r in worker.replicas.items() if wanted.get(s) != r.layers]:
+                worker.replicas.pop(stage).destroy()  # a stage the worker no longer holds is freed
             for pipeline, stage in held:
-                have = worker.replicas.get(stage)
-                if have is None or have.layers != plan.layers(pipeline, stage):
+                if stage not in worker.replicas:
                     worker.replicas[stage] = self._new_replica(plan, pipeline, stage)
         self.plan = plan
 
@@ -163,8 +166,8 @@ class LocalEngine:
                        for r in worker.replicas.values() if r.commit is not None]
             self.adopt(plan)
             if not commits:
-                raise UserError("unrecoverable", "no in-memory commit survived the failure")
-            iteration = min(c["iteration"] for c in commits)
+                raise ResultError("unrecoverable", "no in-memory commit survived the failure")
+            iteration = max(c["iteration"] for c in commits)  # older ones: workers that left the job
             shards = [c["shard"] for c in commits if c["iteration"] == iteration]
         else:
             self.adopt(plan)
@@ -182,11 +185,11 @@ class LocalEngine:
                 try:
                     replica.load(model, optim)
                 except KeyError as missing:
-                    raise UserError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
+                    raise ResultError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
                                     "replica: every copy of it was lost") from None
         return iteration
 
-    def perform(self, actions, plan) -> int | None:
+    def perform(self, actions, plan, iteration: int) -> int | None:
         """Carry out a recovery; returns the iteration restored to (None: no rollback)."""
         restored = None
         for action in actions:
@@ -196,6 +199,12 @@ class LocalEngine:
                 self.build(plan)
             elif isinstance(action, RestoreCheckpoint):
                 restored = self.restore(action.source, plan)
+            elif isinstance(action, Rendezvous):
+                pass  # one process: no communicators to rebuild (the sim charges hardware.rendezvous_s)
+            elif isinstance(action, SaveCheckpoint):
+                self.save(iteration, action.mode)
+                if self.store is not None:
+                    self.store.wait()  # a restart must not begin before the files are complete
             else:
                 raise TypeError(f"the local backend cannot perform {action!r}")
         if self.plan is not plan:

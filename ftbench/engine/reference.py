@@ -6,7 +6,7 @@ import torch
 
 from ftbench.engine.worker import make_optimizer
 from models.data import batch
-from models.gpt import init_full_model
+from models.gpt import init_full_model, lm_loss_sum
 
 
 def train_single_process(spec, seed: int, data, iterations: int, global_batch: int, microbatch_size: int,
@@ -20,10 +20,10 @@ def train_single_process(spec, seed: int, data, iterations: int, global_batch: i
         total = 0.0
         for first in range(0, global_batch, microbatch_size):
             ids = batch(data, i, range(first, first + microbatch_size))
-            # HF's loss is the mean over this micro-batch's tokens; weight it by its share.
-            loss = model(input_ids=ids, labels=ids).loss * (microbatch_size / global_batch)
+            # The mean over the global batch's tokens (HF's `labels=` loss, without its float32 cast).
+            loss = lm_loss_sum(model(input_ids=ids).logits, ids) / (global_batch * (ids.shape[1] - 1))
             loss.backward()
-            total += float(loss)
+            total += loss.item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)

@@ -125,7 +125,7 @@ def _membership(event, it: int, strategy, cluster, engine: LocalEngine, out: Loc
         return it
     t0 = time.perf_counter()
     try:
-        restored = engine.perform(recovery.actions, recovery.plan or engine.plan)
+        restored = engine.perform(recovery.actions, recovery.plan or engine.plan, it)
     except UserError as err:
         out.status, out.error = err.status, str(err)
         log({"event": err.status, "time_s": elapsed(), "iteration": it, "reason": str(err)})

@@ -1,0 +1,179 @@
+"""The local backend: real pipelined training, real failures, real recoveries, and the
+equivalence of every checkpoint preset with fault-free training."""
+import json
+import warnings
+
+import pytest
+import torch
+
+from conftest import LOCAL, assert_matches_fault_free, compose, run
+from ftbench.checkpoint import CheckpointStore, CheckpointWarning
+from ftbench.context import RunContext
+from ftbench.engine.deferred import WeightGradStore, make_deferrable
+from ftbench.engine.reference import train_single_process
+from ftbench.engine.worker import WorkerFailed
+from ftbench.equivalence import compare, load_state
+from ftbench.run import local_engine
+from models.data import make_source
+from models.gpt import build_stage, lm_loss_sum
+from strategies import build_strategy
+
+ONE_FAILURE = ("failures=scripted", "failures.events=[{iteration:5,node:5}]")
+TWO_FAILURES = ("failures=scripted", "failures.events=[{iteration:3,node:1},{iteration:7,node:2}]")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+def test_pipelined_training_matches_single_process_gpt2(tmp_path, schedule):
+    s = run(tmp_path, *LOCAL, f"schedule={schedule}", "strategy=none", "failures=none")
+    cfg = compose(*LOCAL)
+    ctx = RunContext.from_config(cfg)
+    data = make_source("synthetic", ctx.spec, ctx.seq_len, ctx.seed)
+    losses, state = train_single_process(ctx.spec, ctx.seed, data, ctx.iterations, ctx.global_batch,
+                                         ctx.microbatch_size, cfg.train.lr, dtype=torch.float64)
+    assert compare(s["losses"], load_state(s["final_state"]), losses, state) is None
+    assert s["losses"][-1] < s["losses"][0] - 0.2  # it really trains
+
+
+# Elastic Horovod keeps state only in surviving replicas, so its second failure needs a stage
+# that still has one: dp=4 (shrinks to 3 pipelines, and stays at 3).
+ELASTIC = ("cluster.dp=4", "train.microbatches=2")
+ELASTIC_TWO = ("failures=scripted", "failures.events=[{iteration:3,node:1},{iteration:7,node:6}]")
+
+
+@pytest.mark.parametrize("strategy,setup,failures", [
+    ("checkpoint", (), ONE_FAILURE), ("checkpoint", (), TWO_FAILURES),
+    ("checkfreq", (), ONE_FAILURE), ("checkfreq", (), TWO_FAILURES),
+    ("elastic-horovod", (), ONE_FAILURE), ("elastic-horovod", ELASTIC, ELASTIC_TWO),
+    ("varuna", (), ONE_FAILURE), ("varuna", (), TWO_FAILURES),
+])
+def test_checkpoint_presets_train_the_fault_free_model(tmp_path, strategy, setup, failures):
+    s = assert_matches_fault_free(tmp_path, setup=setup, faults=(f"strategy={strategy}", *failures))
+    assert s["failures"] == len(s["recoveries"]) >= 1
+    for r in s["recoveries"]:
+        assert r["recovery_s"] >= 0 and r["lost_iterations"] == r["iteration"] - r["restored_iteration"] >= 0
+
+
+def test_zb_h1_under_failures_matches_too(tmp_path):
+    assert_matches_fault_free(tmp_path, setup=("schedule=zb-h1",), faults=("strategy=checkpoint", *TWO_FAILURES))
+
+
+def test_same_config_twice_gives_bit_identical_losses(tmp_path):
+    a = run(tmp_path / "a", *LOCAL, "strategy=checkpoint", *ONE_FAILURE)
+    b = run(tmp_path / "b", *LOCAL, "strategy=checkpoint", *ONE_FAILURE)
+    assert a["losses"] == b["losses"]
+
+
+def test_default_job_checks_itself_and_matches(tmp_path):
+    s = run(tmp_path, "train.iterations=8", "train.microbatches=4", "report.gantt=false")
+    assert (s["backend"], s["strategy"], s["pp"], s["dp"]) == ("local", "checkpoint", 4, 2)
+    assert s["status"] == "ok" and s["failures"] == 1 and s["matches_fault_free"] is True
+    r = s["recoveries"][0]
+    assert (r["iteration"], r["restored_iteration"], r["lost_iterations"]) == (5, 4, 1)
+    assert len(s["losses"]) == 8 and s["throughput"] > 0
+
+
+def test_local_summary_and_metrics(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    s = run(tmp_path, *LOCAL, "strategy=checkpoint", *ONE_FAILURE)
+    model = GPT2LMHeadModel.from_pretrained(s["final_state"])
+    assert model.config.n_layer == 8
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(1 for x in lines if x.get("event") == "iteration") == 10 + 1  # iteration 4 is redone
+    assert any(x.get("event") == "recovery" for x in lines)
+    assert len(s["peak_memory_bytes"]) == 8 and min(s["peak_memory_bytes"]) > 0
+
+
+def test_truncated_checkpoint_is_skipped_with_a_warning(tmp_path, monkeypatch):
+    save = CheckpointStore.save
+
+    def save_then_truncate(self, iteration, shards):
+        info = save(self, iteration, shards)
+        if iteration == 4:  # the newest checkpoint before the failure gets cut in half
+            shard = info.path / "stage0.pt"
+            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        return info
+
+    monkeypatch.setattr(CheckpointStore, "save", save_then_truncate)
+    with pytest.warns(CheckpointWarning, match="stage0.pt"):
+        s = run(tmp_path, *LOCAL, "strategy=checkpoint", "strategy.every=2", *ONE_FAILURE,
+                "report.check_fault_free=true")
+    r = s["recoveries"][0]
+    assert (r["restored_iteration"], r["lost_iterations"]) == (2, 3)
+    assert s["matches_fault_free"] is True
+
+
+def _engine(tmp_path, *overrides):
+    cfg = compose(*LOCAL, *overrides)
+    ctx = RunContext.from_config(cfg)
+    strategy = build_strategy(cfg.strategy, ctx)
+    engine = local_engine(cfg, ctx, strategy, tmp_path)
+    plan = ctx.grid_plan(cfg.cluster.pp, cfg.cluster.dp)
+    engine.build(plan)
+    return engine
+
+
+def test_a_failed_workers_state_is_gone(tmp_path):
+    engine = _engine(tmp_path)
+    engine.run_iteration(0)
+    replica = engine.workers[5].replica(1)
+    params = list(replica.module.parameters())
+    engine.destroy([5])
+    with pytest.raises(WorkerFailed):
+        engine.workers[5].replicas
+    with pytest.raises(WorkerFailed):
+        replica.module
+    with pytest.raises(WorkerFailed):
+        replica.optimizer
+    assert all(p.numel() == 0 and p.grad is None for p in params)  # even stale references hold nothing
+    with pytest.raises(WorkerFailed):
+        engine.run_iteration(1)  # the plan still uses worker 5: nothing may quietly read its state
+
+
+def test_an_abandoned_iteration_leaves_nothing_behind(tmp_path):
+    engine = _engine(tmp_path)
+    engine.run_iteration(0, stop_after=engine.ops_per_iteration() // 2)
+    engine.abandon_iteration()
+    for worker in engine.workers.values():
+        for replica in worker.replicas.values():
+            assert not replica.stash and not replica.store.pending
+            assert all(p.grad is None for p in replica.module.parameters())
+
+
+def test_deferred_weight_gradients_equal_the_fused_backward():
+    cfg = compose(*LOCAL)
+    ctx = RunContext.from_config(cfg)
+    ids = make_source("synthetic", ctx.spec, ctx.seq_len, 0).sample(0, 0).unsqueeze(0)
+    grads = []
+    for split in (False, True):
+        store = WeightGradStore()
+        stage = make_deferrable(build_stage(ctx.spec, 0, 0, 8, True, True), store)
+        loss = lm_loss_sum(stage(ids), ids)
+        if split:
+            with store.defer("m0"):
+                loss.backward()
+            assert store.pending["m0"]  # B left the weight matmuls for W
+            assert stage.h["0"].attn.c_attn.weight.grad is None
+            store.flush("m0")
+        else:
+            loss.backward()
+        grads.append({n: p.grad.clone() for n, p in stage.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+
+
+def test_elastic_horovod_loses_a_stage_without_replicas(tmp_path):
+    s = run(tmp_path, *LOCAL, "strategy=elastic-horovod", *TWO_FAILURES)  # dp 2 -> 1, then a stage's last copy
+    assert s["status"] == "unrecoverable" and "every replica of stage" in s["error"]
+    assert len(s["recoveries"]) == 1
+
+
+def test_text_data_option(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 50)
+    s = run(tmp_path / "run", *LOCAL, "strategy=none", "failures=none", "train.data=text",
+            f"train.data_path={text}", "train.iterations=3")
+    assert s["status"] == "ok"
+    bad = run(tmp_path / "bad", *LOCAL, "strategy=none", "failures=none", "train.data=text",
+              f"train.data_path={tmp_path / 'missing.txt'}")
+    assert bad["status"] == "error" and "train.data_path" in bad["error"]
