@@ -15,12 +15,15 @@ class Recovery:
     """What a strategy does about a membership change."""
     actions: list[Any] = field(default_factory=list)  # recovery actions, as data; the backend charges/executes them
     plan: Plan | None = None  # the plan to continue with (None: keep the current one)
-    lost_iterations: int = 0  # completed iterations that must be redone (rolled back)
     unrecoverable: str | None = None  # set when training cannot go on: why
 
 
 class Strategy(Protocol):
     name: str
+    # Periodic checkpoints: FILE | SNAPSHOT | MEMORY (ftbench.actions), or None for none. A
+    # strategy with a mode also has `checkpoint_interval(iteration_s, stall_s, persist_s) -> int`,
+    # which backends call with measured (local) or modelled (sim) costs.
+    checkpoint_mode: str | None
 
     def plan(self, cluster: Cluster) -> Plan:
         """The plan for the cluster's current membership."""

@@ -13,6 +13,7 @@ from ftbench.context import RunContext
 
 class NoFaultTolerance:
     name = "none"
+    checkpoint_mode = None
 
     def __init__(self, cfg, ctx: RunContext):
         self.ctx = ctx

@@ -26,6 +26,12 @@ class Varuna(CheckpointRestart):
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
         self._estimates: dict[tuple[int, int, int], float] = {}
+        self.configured_pp = None
+
+    def plan(self, cluster: Cluster) -> Plan:
+        if self.configured_pp is None:
+            self.configured_pp = cluster.pp
+        return super().plan(cluster)
 
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         alive = [w for w in range(cluster.workers) if cluster.is_alive(cluster.node_of(w))]
@@ -39,10 +45,14 @@ class Varuna(CheckpointRestart):
         return Recovery(actions=[RestartJob(), RestoreCheckpoint(FILE)], plan=self.current)
 
     def best_shape(self, workers: int, gpus_per_node: int) -> tuple[int, int] | None:
-        """The fastest (pp, dp) with pp*dp <= workers that fits in memory, by simulation."""
+        """The fastest (pp, dp) with pp*dp <= workers that fits in memory, by simulation.
+        Pipeline depths are those that split the layers evenly (Varuna's cut-points), plus
+        the configured depth."""
         micro = self.ctx.global_batch // self.ctx.microbatch_size
+        layers = self.ctx.spec.layers
+        depths = sorted({p for p in range(1, layers + 1) if layers % p == 0} | {self.configured_pp})
         best, best_time = None, float("inf")
-        for pp in range(1, min(self.ctx.spec.layers, workers) + 1):
+        for pp in (p for p in depths if p <= workers):
             dp = min(workers // pp, micro)
             t = self._iteration_time(pp, dp, gpus_per_node)
             if t < best_time:

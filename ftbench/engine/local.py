@@ -19,6 +19,7 @@ from ftbench.checkpoint import CheckpointStore
 from ftbench.engine.executor import Executor, IterationResult
 from ftbench.engine.worker import StageReplica, Worker
 from ftbench.errors import ResultError
+from ftbench.sim.recovery import checkpoint_writers
 from models.data import batch
 from models.gpt import build_stage, state_dict_from_stages
 
@@ -127,14 +128,8 @@ class LocalEngine:
 
     # -- checkpoints --------------------------------------------------------------------
     def _writers(self) -> dict[int, StageReplica]:
-        """One live replica per stage: the data-parallel rank 0 that writes the stage's shard."""
-        writers = {}
-        for w in sorted(self.plan.holds):
-            worker = self.workers[w]
-            if worker.alive:
-                for stage, replica in sorted(worker.replicas.items()):
-                    writers.setdefault(stage, replica)
-        return writers
+        """One live replica per stage writes the stage's shard (the same choice the sim charges)."""
+        return {stage: self.workers[w].replica(stage) for stage, w in checkpoint_writers(self.plan).items()}
 
     def save(self, iteration: int, mode: str) -> SaveCost:
         started = time.perf_counter()

@@ -34,16 +34,25 @@ def _replica_bytes(plan: Plan, cost_model) -> dict[int, float]:
     return out
 
 
-def _writer_node_bytes(plan: Plan, cost_model) -> dict[int, float]:
-    """Bytes each node writes when one replica per stage (data-parallel rank 0) saves."""
-    written, out = set(), defaultdict(float)
+def checkpoint_writers(plan: Plan) -> dict[int, int]:
+    """stage -> the worker that writes its shard: one replica per stage, taken from a
+    different pipeline for each stage so the writes spread over nodes (as distributed
+    checkpointing does) instead of all landing on pipeline 0's nodes."""
+    holders: dict[int, list[int]] = defaultdict(list)
     for w in sorted(plan.holds):
-        for pipeline, stage in plan.holds[w]:
-            if stage not in written:
-                written.add(stage)
-                layers = plan.layers(pipeline, stage)
-                params = cost_model.stage(layers, stage == 0, plan.is_last_stage(pipeline, stage)).params
-                out[plan.node_of[w]] += CHECKPOINT_BYTES_PER_PARAM * params
+        for _, stage in plan.holds[w]:
+            holders[stage].append(w)
+    return {stage: ws[stage % len(ws)] for stage, ws in sorted(holders.items())}
+
+
+def _writer_node_bytes(plan: Plan, cost_model) -> dict[int, float]:
+    """Bytes each node writes when one replica per stage saves."""
+    out = defaultdict(float)
+    for stage, w in checkpoint_writers(plan).items():
+        pipeline = next(p for p, s in plan.holds[w] if s == stage)
+        layers = plan.layers(pipeline, stage)
+        params = cost_model.stage(layers, stage == 0, plan.is_last_stage(pipeline, stage)).params
+        out[plan.node_of[w]] += CHECKPOINT_BYTES_PER_PARAM * params
     return out
 
 

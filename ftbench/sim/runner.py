@@ -73,14 +73,13 @@ class _Events:
         self.by_time = iter(script.by_time)
         self._next_timed = next(self.by_time, None)
 
-    def next_time(self, t: float, iteration: int, iteration_time: float) -> float:
-        candidates = [math.inf]
-        if self._next_timed is not None:
-            candidates.append(max(self._next_timed.time_s, t))
-        if self.by_iteration:
-            k = self.by_iteration[0].iteration
-            candidates.append(t + max(k - iteration + ITERATION_EVENT_FRACTION, 0.0) * iteration_time)
-        return min(candidates)
+    def next_timed(self, t: float) -> float:
+        """When the next time-ordered event strikes (not before t); inf when none is left."""
+        return max(self._next_timed.time_s, t) if self._next_timed is not None else math.inf
+
+    def next_iteration(self) -> int | None:
+        """The iteration during which the next iteration-scripted event strikes."""
+        return self.by_iteration[0].iteration if self.by_iteration else None
 
     def pop(self, t_event: float) -> FailureEvent:
         if self._next_timed is not None and self._next_timed.time_s <= t_event:
@@ -96,8 +95,8 @@ def run_simulation(ctx, strategy, cluster: Cluster, script: FailureScript, cache
     horizon = ctx.max_hours * 3600.0 if ctx.max_hours is not None else math.inf
     events = _Events(script)
     plan = strategy.plan(cluster)
-    ckpt = _Checkpointing(strategy, ctx.cost_model, log)
-    t, it = ckpt.save(plan, 0, 0.0), 0
+    ckpt = _Checkpointing(strategy, ctx.cost_model, ctx.iterations, log)
+    t, it = ckpt.save_initial(plan), 0
     while it < ctx.iterations and t < horizon:
         result = cache(plan)
         if out.first_result is None:
@@ -107,20 +106,23 @@ def run_simulation(ctx, strategy, cluster: Cluster, script: FailureScript, cache
         T = result.iteration_time
         if T <= 0:
             raise ValueError(f"plan {plan.name!r} has a zero iteration time")
-        t_event = events.next_time(t, it, T)
-        n = min(ctx.iterations - it, _whole(t_event - t, T), _whole(horizon - t, T), ckpt.until_next(plan, it, T))
+        ckpt.use(plan, T)
+        t_timed, k = events.next_timed(t), events.next_iteration()
+        limit = ctx.iterations - it if k is None else min(ctx.iterations - it, max(k - it, 0))
+        # Whole iterations (with the checkpoints among them) that finish before the next event.
+        n = ckpt.fit(it, t, min(t_timed, horizon), limit)
         if n > 0:
+            t_end, saved = ckpt.advance(it, t, n)
             log({"event": "iterations", "first": it, "last": it + n - 1, "count": n, "iteration_time_s": T,
-                 "time_s": t + n * T, "samples": (it + n) * ctx.global_batch, "plan": plan.name})
-            it, t = it + n, t + n * T
+                 "checkpoints": saved, "time_s": t_end, "samples": (it + n) * ctx.global_batch, "plan": plan.name})
+            it, t = it + n, t_end
             if progress is not None:
                 progress(it)
         if it >= ctx.iterations:
             break
-        if ckpt.due(it):
-            t = ckpt.save(plan, it, t)
-            continue
-        if t_event < min(t + T, horizon):
+        step = ckpt.span_of_next(it)  # the next iteration and the checkpoint after it, if any
+        t_event = min(t_timed, t + ITERATION_EVENT_FRACTION * T if k is not None and it >= k else math.inf)
+        if t_event < min(t + step, horizon):
             event = events.pop(t_event)
             if event.kind == "join":
                 # A join takes effect at the next iteration boundary; no work is lost.
@@ -135,48 +137,75 @@ def run_simulation(ctx, strategy, cluster: Cluster, script: FailureScript, cache
             plan = new_plan or plan
             if out.status != "ok":
                 break
-        elif t + T > horizon:
+        elif t + step > horizon:
             break  # the next iteration would not finish before train.max_hours
     out.iterations, out.time_s = it, t
     return out
 
 
 class _Checkpointing:
-    """Periodic checkpoints of the strategy: when they happen, what they cost, which are durable."""
+    """The strategy's periodic checkpoints: after every `every`-th iteration training stalls
+    for the save; the file becomes usable `persist_s` later. Runs of iterations with their
+    checkpoints are advanced in closed form, so long runs stay one jump per event."""
 
-    def __init__(self, strategy, cost_model, log):
-        self.strategy, self.cost_model, self.log = strategy, cost_model, log
+    def __init__(self, strategy, cost_model, iterations: int, log):
+        self.strategy, self.cost_model, self.iterations, self.log = strategy, cost_model, iterations, log
         self.mode = getattr(strategy, "checkpoint_mode", None)
         self.ledger = CheckpointLedger()
-        self.every: int | None = None
-        self.last_saved: int | None = None
+        self.every, self.stall, self.persist, self.T = 2**62, 0.0, 0.0, 0.0
         self._plan = None
 
-    def until_next(self, plan, it: int, T: float) -> int:
+    def save_initial(self, plan) -> float:
+        """The checkpoint before the first iteration (what a restart before any other reloads)."""
         if self.mode is None:
-            return 2**62
-        if self.every is None or plan is not self._plan:
-            cost = save_cost(self.mode, plan, self.cost_model)
-            self.every = self.strategy.checkpoint_interval(T, cost.stall_s, cost.persist_s)
-            self._plan = plan
-            self.log({"event": "checkpoint_interval", "every": self.every})
-        return (it // self.every + 1) * self.every - it
-
-    def due(self, it: int) -> bool:
-        return (self.mode is not None and self.every is not None and it % self.every == 0
-                and it != self.last_saved)
-
-    def save(self, plan, it: int, t: float) -> float:
-        """Charge a checkpoint after iteration `it`; returns the time training resumes."""
-        if self.mode is None:
-            return t
+            return 0.0
         cost = save_cost(self.mode, plan, self.cost_model)
-        resume = t + cost.stall_s
-        self.last_saved = it
-        self.ledger.add(it, resume + cost.persist_s)
-        self.log({"event": "checkpoint", "iteration": it, "mode": self.mode, "stall_s": cost.stall_s,
-                  "persist_s": cost.persist_s, "time_s": resume})
-        return resume
+        self.ledger.add(0, cost.stall_s + cost.persist_s)
+        return cost.stall_s
+
+    def use(self, plan, T: float) -> None:
+        self.T = T
+        if self.mode is None or plan is self._plan:
+            return
+        cost = save_cost(self.mode, plan, self.cost_model)
+        self.stall, self.persist, self.T, self._plan = cost.stall_s, cost.persist_s, T, plan
+        self.every = self.strategy.checkpoint_interval(T, cost.stall_s, cost.persist_s)
+        self.log({"event": "checkpoint_interval", "every": self.every, "stall_s": cost.stall_s,
+                  "persist_s": cost.persist_s})
+
+    def _saves(self, it: int, n: int) -> int:
+        """Checkpoints after iterations it+1 .. it+n (none after the last iteration of the run)."""
+        end = min(it + n, self.iterations - 1)
+        return max(end // self.every - it // self.every, 0) if self.mode is not None else 0
+
+    def _span(self, it: int, n: int) -> float:
+        return n * self.T + self._saves(it, n) * self.stall
+
+    def span_of_next(self, it: int) -> float:
+        return self._span(it, 1)
+
+    def fit(self, it: int, t: float, t_limit: float, most: int) -> int:
+        """The most iterations (<= most) that, with their checkpoint stalls, end by t_limit."""
+        if math.isinf(t_limit):
+            return most
+        lo, hi = 0, most
+        while lo < hi:  # the span grows with n: bisect
+            mid = (lo + hi + 1) // 2
+            if t + self._span(it, mid) <= t_limit * (1 + 1e-12):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def advance(self, it: int, t: float, n: int) -> tuple[float, int]:
+        """Run n iterations from (it, t): the end time and how many checkpoints were written."""
+        saves = self._saves(it, n)
+        if saves:
+            last = min(it + n, self.iterations - 1) // self.every * self.every
+            for k in range(max(saves - 3, 0), saves):  # the newest few are all a restore can want
+                at = last - (saves - 1 - k) * self.every
+                self.ledger.add(at, t + self._span(it, at - it) + self.persist)
+        return t + self._span(it, n), saves
 
 
 def _whole(span: float, T: float) -> int:
@@ -209,8 +238,7 @@ def _membership_change(event, strategy, cluster, ctx, out, log, t, it, plan, ckp
         if isinstance(action, SaveCheckpoint):
             ckpt.ledger.add(it, t + seconds)
         if isinstance(action, RestoreCheckpoint):
-            restored = ckpt.ledger.restorable(t + seconds)
-            ckpt.last_saved = restored  # resuming from it: no need to write it again
+            restored = ckpt.ledger.restorable(t)  # a persist still running when the failure struck is lost
         seconds += action_seconds(action, plan, new, ctx.cost_model)
     record = {"time_s": t, "iteration": it, "recovery_s": seconds, "lost_iterations": it - restored,
               "restored_iteration": restored, "actions": [type(a).__name__ for a in recovery.actions],

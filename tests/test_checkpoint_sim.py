@@ -1,0 +1,112 @@
+"""The checkpoint family on the simulator: costs come from the cost model and the hardware
+profile, and time is accounted exactly."""
+import json
+import math
+
+import pytest
+
+from conftest import compose
+from ftbench.context import RunContext
+from ftbench.sim.recovery import CHECKPOINT_BYTES_PER_PARAM, save_cost
+from strategies.checkpoint import young_daly_interval_s
+
+SIM = ("backend=sim", "model=gpt3-medium", "hardware=a100-80gb", "cluster.pp=4", "cluster.dp=2",
+       "train.microbatches=8", "report.gantt=false")
+FAIL_25 = ("failures=scripted", "failures.events=[{iteration:25,node:5}]", "train.iterations=50")
+
+
+def metrics(tmp_path, event):
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if x.get("event") == event]
+
+
+def test_checkpoint_restart_time_is_accounted_exactly(tmp_path, run_config):
+    s = run_config(*SIM, *FAIL_25, "strategy=checkpoint", "strategy.every=10")
+    assert s["status"] == "ok" and s["iterations"] == 50
+    r = s["recoveries"][0]
+    assert (r["iteration"], r["restored_iteration"], r["lost_iterations"]) == (25, 20, 5)
+    assert r["actions"] == ["WaitForReplacement", "RestartJob", "RestoreCheckpoint"]
+    T = s["iteration_time_s"]
+    stall = metrics(tmp_path, "checkpoint_interval")[0]["stall_s"]
+    # 25 iterations, the failure half-way through the 26th, recovery, 30 redone/remaining;
+    # checkpoints before iteration 0 and after 10, 20 (twice: before and after the failure), 30, 40.
+    expected = 25 * T + 0.5 * T + r["recovery_s"] + 30 * T + 5 * stall
+    assert s["time_s"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_recovery_costs_follow_the_hardware_profile(tmp_path):
+    from conftest import run
+
+    base = run(tmp_path / "a", *SIM, *FAIL_25, "strategy=checkpoint", "cluster.spares=0")["recoveries"][0]
+    slow_restart = run(tmp_path / "b", *SIM, *FAIL_25, "strategy=checkpoint", "cluster.spares=0",
+                       "hardware.restart_s=100")["recoveries"][0]
+    slow_disk = run(tmp_path / "c", *SIM, *FAIL_25, "strategy=checkpoint", "cluster.spares=0",
+                    "hardware.storage_gbps=1")["recoveries"][0]
+    spare = run(tmp_path / "d", *SIM, *FAIL_25, "strategy=checkpoint", "cluster.spares=1")["recoveries"][0]
+    assert slow_restart["recovery_s"] - base["recovery_s"] == pytest.approx(40.0)
+    assert base["recovery_s"] - spare["recovery_s"] == pytest.approx(45.0)  # no standby: wait replacement_s
+    ctx = RunContext.from_config(compose(*SIM))
+    plan = ctx.grid_plan(4, 2)
+    # Each node reads its own stage's state: the largest stage over 2 GB/s, then over 1 GB/s.
+    largest = max(CHECKPOINT_BYTES_PER_PARAM * ctx.cost_model.stage(plan.layers(0, s), s == 0, s == 3).params
+                  for s in range(4))
+    assert slow_disk["recovery_s"] - base["recovery_s"] == pytest.approx(largest / 1e9 * (1 / 1 - 1 / 2))
+
+
+def test_young_daly_interval_from_mtbf_and_modelled_cost(tmp_path, run_config):
+    s = run_config(*SIM, "failures=none", "strategy=checkpoint", "strategy.every=null", "strategy.mtbf_hours=500",
+                   "train.iterations=100")
+    interval = metrics(tmp_path, "checkpoint_interval")[0]
+    T = s["iteration_time_s"]
+    expected = round(young_daly_interval_s(interval["stall_s"], 500 * 3600 / 8) / T)
+    assert interval["every"] == expected > 1
+
+
+def test_young_daly_needs_an_mtbf(run_config):
+    s = run_config(*SIM, "failures=none", "strategy=checkpoint", "strategy.every=null")
+    assert s["status"] == "error" and "strategy.mtbf_hours" in s["error"]
+
+
+def test_checkfreq_snapshots_stall_less_and_respect_the_bound(tmp_path):
+    from conftest import run
+
+    run(tmp_path / "cf", *SIM, "failures=none", "strategy=checkfreq", "train.iterations=100")
+    run(tmp_path / "ck", *SIM, "failures=none", "strategy=checkpoint", "train.iterations=100")
+    cf = metrics(tmp_path / "cf", "checkpoint_interval")[0]
+    ck = metrics(tmp_path / "ck", "checkpoint_interval")[0]
+    assert cf["stall_s"] < ck["stall_s"] and cf["persist_s"] > 0
+    T = json.loads((tmp_path / "cf" / "summary.json").read_text())["iteration_time_s"]
+    assert cf["stall_s"] / (cf["every"] * T) <= 0.035
+    assert cf["every"] * T >= cf["persist_s"]  # the next snapshot never waits for a persist
+
+
+def test_checkfreq_failure_during_a_persist_falls_back(tmp_path, run_config):
+    # every=1 with a persist longer than an iteration: the newest snapshot is not on storage yet.
+    s = run_config(*SIM, *FAIL_25, "strategy=checkfreq", "strategy.every=1", "hardware.storage_gbps=0.05")
+    r = s["recoveries"][0]
+    interval = metrics(tmp_path, "checkpoint_interval")[0]
+    assert interval["persist_s"] > s["iteration_time_s"]
+    assert r["restored_iteration"] < 25 and r["lost_iterations"] >= 1
+
+
+def test_elastic_horovod_shrinks_without_replacement(tmp_path, run_config):
+    s = run_config(*SIM, *FAIL_25, "strategy=elastic-horovod")
+    r = s["recoveries"][0]
+    assert r["actions"] == ["Rendezvous", "RestoreCheckpoint"] and r["restored_iteration"] == 24
+    lines = metrics(tmp_path, "iterations")
+    assert lines[-1]["iteration_time_s"] > lines[0]["iteration_time_s"]  # one pipeline does the whole batch
+
+
+def test_varuna_morphs_into_a_shape_that_fits_the_survivors(tmp_path, run_config):
+    s = run_config(*SIM, *FAIL_25, "strategy=varuna")
+    assert s["status"] == "ok"
+    r = s["recoveries"][0]
+    assert r["actions"] == ["RestartJob", "RestoreCheckpoint"] and r["restored_iteration"] == 24
+    assert metrics(tmp_path, "iterations")[-1]["iteration_time_s"] != s["iteration_time_s"]
+
+
+def test_poisson_failures_over_days(run_config):
+    s = run_config(*SIM, "failures=poisson", "failures.mtbf_hours=50", "strategy=checkpoint",
+                   "strategy.every=null", "train.iterations=1000000000", "train.max_hours=240")
+    assert s["status"] == "ok" and s["failures"] >= 5 and s["lost_iterations"] > 0
+    assert s["time_s"] <= 240 * 3600 and all(r["recovery_s"] > 0 for r in s["recoveries"])
