@@ -31,6 +31,13 @@ class Plan:
     def is_last_stage(self, pipeline: int, stage: int) -> bool:
         return stage == self.schedule.stages[pipeline] - 1
 
+    @property
+    def shape(self) -> str:
+        """'pp=4 dp=2' (stage counts per pipeline when pipelines differ)."""
+        stages = set(self.schedule.stages)
+        pp = stages.pop() if len(stages) == 1 else "/".join(map(str, self.schedule.stages))
+        return f"pp={pp} dp={len(self.schedule.stages)}"
+
     def on_workers(self, workers: list[int], node_of) -> "Plan":
         """The same plan with grid worker i placed on `workers[i]` (survivors, after a reshape)."""
         old = self.workers

@@ -133,7 +133,8 @@ def _membership(event, it: int, strategy, cluster, engine: LocalEngine, out: Loc
     restored = it if restored is None else restored
     record = {"time_s": t_event, "iteration": it, "recovery_s": time.perf_counter() - t0,
               "lost_iterations": it - restored, "restored_iteration": restored,
-              "actions": [type(a).__name__ for a in recovery.actions], "plan": engine.plan.name}
+              "actions": [type(a).__name__ for a in recovery.actions], "plan": engine.plan.name,
+              "shape": engine.plan.shape}
     out.recoveries.append(record)
     log({"event": "recovery", **record})
     return restored

@@ -242,7 +242,7 @@ def _membership_change(event, strategy, cluster, ctx, out, log, t, it, plan, ckp
         seconds += action_seconds(action, plan, new, ctx.cost_model)
     record = {"time_s": t, "iteration": it, "recovery_s": seconds, "lost_iterations": it - restored,
               "restored_iteration": restored, "actions": [type(a).__name__ for a in recovery.actions],
-              "plan": new.name}
+              "plan": new.name, "shape": new.shape}
     out.recoveries.append(record)
     log({"event": "recovery", **record})
     return recovery.plan, restored, t + seconds
