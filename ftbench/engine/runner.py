@@ -57,6 +57,8 @@ def run_local(ctx, engine: LocalEngine, strategy, cluster, script: FailureScript
     every = None
     if mode is not None:
         cost = engine.save(0, mode)
+        if engine.store is not None and engine.store.pending is not None:
+            cost.persist_s = engine.store.wait().seconds  # measure the background persist once, for tuning
         out.checkpoints += 1
         log({"event": "checkpoint", "iteration": 0, "mode": mode, "stall_s": cost.stall_s, "time_s": elapsed()})
     events = _Due(script)
@@ -89,7 +91,8 @@ def run_local(ctx, engine: LocalEngine, strategy, cluster, script: FailureScript
         if mode is not None:
             if every is None:
                 every = strategy.checkpoint_interval(time.perf_counter() - t0, cost.stall_s, cost.persist_s)
-                log({"event": "checkpoint_interval", "every": every})
+                log({"event": "checkpoint_interval", "every": every, "stall_s": cost.stall_s,
+                     "persist_s": cost.persist_s})
             if it % every == 0 and it < ctx.iterations:
                 cost = engine.save(it, mode)
                 out.checkpoints += 1
