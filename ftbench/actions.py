@@ -44,3 +44,9 @@ class RestoreCheckpoint:
 @dataclass(frozen=True)
 class Rendezvous:
     """Survivors agree on the new membership and rebuild communicators, without restarting."""
+
+
+@dataclass(frozen=True)
+class SyncFromPeers:
+    """Workers that join receive the current weights and optimizer state of their stage from a
+    surviving replica (Elastic Horovod's state sync); nothing is rolled back."""

@@ -64,13 +64,19 @@ class CheckpointRestart:
 
     # -- membership ---------------------------------------------------------------------
     def on_event(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
-        if event.node not in self.nodes_in_use():
-            if event.kind == "join":
-                cluster.spares += 1  # a repaired node waits as a standby
-            return Recovery()
         if event.kind == "join":
-            return Recovery()
+            return self.on_join(event, cluster, iteration)
+        if event.node not in self.nodes_in_use():
+            return Recovery()  # an idle node: nothing to recover
         return self.on_failure(event, cluster, iteration)
+
+    def alive_workers(self, cluster: Cluster) -> list[int]:
+        return [w for w in range(cluster.workers) if cluster.is_alive(cluster.node_of(w))]
+
+    def on_join(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
+        if event.node not in self.nodes_in_use():
+            cluster.spares += 1  # a repaired node waits as a standby
+        return Recovery()
 
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         if cluster.spares > 0:

@@ -5,11 +5,12 @@ job restarts in the (pp, dp) shape that trains fastest on the workers that survi
 the global batch, and reloads the checkpoint into the new partition (checkpoints are kept
 per parameter, so any partition can read them). The shape is chosen the way Varuna does,
 by simulating each candidate with the cost model; candidates that do not fit in memory are
-skipped.
+skipped. When nodes come back and a bigger shape would train faster, the job checkpoints at
+the iteration boundary and restarts in that shape ("morphs up"), losing no iterations.
 """
 from __future__ import annotations
 
-from ftbench.actions import FILE, RestartJob, RestoreCheckpoint
+from ftbench.actions import FILE, RestartJob, RestoreCheckpoint, SaveCheckpoint
 from ftbench.cluster import Cluster
 from ftbench.costs import PlanCosts
 from ftbench.failures import FailureEvent
@@ -34,15 +35,27 @@ class Varuna(CheckpointRestart):
         return super().plan(cluster)
 
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
-        alive = [w for w in range(cluster.workers) if cluster.is_alive(cluster.node_of(w))]
+        alive = self.alive_workers(cluster)
         best = self.best_shape(len(alive), cluster.gpus_per_node)
         if best is None:
             return Recovery(unrecoverable=f"no (pp, dp) shape of {self.ctx.spec.name} fits in memory on the "
                             f"{len(alive)} surviving workers")
-        pp, dp = best
+        return Recovery(actions=[RestartJob(), RestoreCheckpoint(FILE)], plan=self._morph(cluster, best, alive))
+
+    def on_join(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
+        alive = self.alive_workers(cluster)
+        best = self.best_shape(len(alive), cluster.gpus_per_node)
+        now = self._iteration_time(cluster.pp, cluster.dp, cluster.gpus_per_node)
+        if best is None or self._iteration_time(*best, cluster.gpus_per_node) >= now:
+            return Recovery()  # the current shape is still the best: the node waits
+        return Recovery(actions=[SaveCheckpoint(FILE), RestartJob(), RestoreCheckpoint(FILE)],
+                        plan=self._morph(cluster, best, alive))
+
+    def _morph(self, cluster: Cluster, shape: tuple[int, int], alive: list[int]) -> Plan:
+        pp, dp = shape
         cluster.pp, cluster.dp = pp, dp
         self.current = self.ctx.grid_plan(pp, dp, cluster.gpus_per_node).on_workers(alive[:pp * dp], cluster.node_of)
-        return Recovery(actions=[RestartJob(), RestoreCheckpoint(FILE)], plan=self.current)
+        return self.current
 
     def best_shape(self, workers: int, gpus_per_node: int) -> tuple[int, int] | None:
         """The fastest (pp, dp) with pp*dp <= workers that fits in memory, by simulation.

@@ -110,3 +110,21 @@ def test_poisson_failures_over_days(run_config):
                    "strategy.every=null", "train.iterations=1000000000", "train.max_hours=240")
     assert s["status"] == "ok" and s["failures"] >= 5 and s["lost_iterations"] > 0
     assert s["time_s"] <= 240 * 3600 and all(r["recovery_s"] > 0 for r in s["recoveries"])
+
+
+def test_elastic_horovod_grows_back_when_the_node_returns(tmp_path, run_config):
+    s = run_config(*SIM, "failures=scripted", "failures.events=[{iteration:25,node:5},{iteration:30,node:5,kind:join}]",
+                   "train.iterations=50", "strategy=elastic-horovod")
+    shrink, grow = s["recoveries"]
+    assert grow["actions"] == ["Rendezvous", "SyncFromPeers"] and grow["lost_iterations"] == 0
+    assert grow["recovery_s"] > 0  # the new pipeline's state crosses the network
+    lines = metrics(tmp_path, "iterations")
+    assert lines[-1]["iteration_time_s"] == pytest.approx(lines[0]["iteration_time_s"])
+
+
+def test_varuna_morphs_up_when_nodes_return(tmp_path, run_config):
+    s = run_config(*SIM, "failures=scripted", "failures.events=[{iteration:25,node:5},{iteration:30,node:5,kind:join}]",
+                   "train.iterations=50", "strategy=varuna")
+    shrink, grow = s["recoveries"]
+    assert grow["actions"] == ["SaveCheckpoint", "RestartJob", "RestoreCheckpoint"]
+    assert grow["lost_iterations"] == 0 and grow["shape"] == "pp=4 dp=2"

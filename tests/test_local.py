@@ -53,6 +53,20 @@ def test_checkpoint_presets_train_the_fault_free_model(tmp_path, strategy, setup
         assert r["recovery_s"] >= 0 and r["lost_iterations"] == r["iteration"] - r["restored_iteration"] >= 0
 
 
+FAIL_THEN_JOIN = ("failures=scripted", "failures.events=[{iteration:3,node:5},{iteration:6,node:5,kind:join}]")
+
+
+# Varuna morphs up only when the cost model says the bigger shape is faster; for gpt-tiny
+# at hidden 128 it is (pp 4 x dp 1 on 7 survivors, pp 4 x dp 2 once the node is back).
+@pytest.mark.parametrize("strategy,setup", [("elastic-horovod", ()), ("varuna", ("model.hidden=128",))])
+def test_shrink_then_grow_back_matches_fault_free(tmp_path, strategy, setup):
+    s = assert_matches_fault_free(tmp_path, setup=setup, faults=(f"strategy={strategy}", *FAIL_THEN_JOIN))
+    shrink, grow = s["recoveries"]
+    assert grow["lost_iterations"] == 0 and grow["shape"] != shrink["shape"]
+    assert grow["actions"] == (["Rendezvous", "SyncFromPeers"] if strategy == "elastic-horovod"
+                               else ["SaveCheckpoint", "RestartJob", "RestoreCheckpoint"])
+
+
 def test_zb_h1_under_failures_matches_too(tmp_path):
     assert_matches_fault_free(tmp_path, setup=("schedule=zb-h1",), faults=("strategy=checkpoint", *TWO_FAILURES))
 

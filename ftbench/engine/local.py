@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ftbench.actions import (FILE, MEMORY, SNAPSHOT, Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint,
-                             WaitForReplacement)
+                             SyncFromPeers, WaitForReplacement)
 from ftbench.checkpoint import CheckpointStore
 from ftbench.engine.executor import Executor, IterationResult
 from ftbench.engine.worker import StageReplica, Worker
@@ -173,6 +173,16 @@ class LocalEngine:
                 return 0
             iteration, by_name = loaded
             shards = list(by_name.values())
+        self._load_all(plan, shards)
+        return iteration
+
+    def sync_from_peers(self, plan) -> None:
+        """Give every replica of `plan` the current state of a live replica of the same layers."""
+        shards = [r.shard() for r in self._writers().values()]
+        self.adopt(plan)
+        self._load_all(plan, shards)
+
+    def _load_all(self, plan, shards) -> None:
         model = {k: v for s in shards for k, v in s["model"].items()}
         optim = {k: v for s in shards for k, v in s["optim"].items()}
         for w in plan.holds:
@@ -181,8 +191,7 @@ class LocalEngine:
                     replica.load(model, optim)
                 except KeyError as missing:
                     raise ResultError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
-                                    "replica: every copy of it was lost") from None
-        return iteration
+                                      "replica: every copy of it was lost") from None
 
     def perform(self, actions, plan, iteration: int) -> int | None:
         """Carry out a recovery; returns the iteration restored to (None: no rollback)."""
@@ -194,6 +203,8 @@ class LocalEngine:
                 self.build(plan)
             elif isinstance(action, RestoreCheckpoint):
                 restored = self.restore(action.source, plan)
+            elif isinstance(action, SyncFromPeers):
+                self.sync_from_peers(plan)
             elif isinstance(action, Rendezvous):
                 pass  # one process: no communicators to rebuild (the sim charges hardware.rendezvous_s)
             elif isinstance(action, SaveCheckpoint):

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ftbench.actions import FILE, MEMORY, SNAPSHOT, Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, WaitForReplacement
+from ftbench.actions import (FILE, MEMORY, SNAPSHOT, Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint,
+                             SyncFromPeers, WaitForReplacement)
 from ftbench.plan import Plan
 
 # fp32 master weights + Adam's two moments; the fp16 working weights are re-cast from the master copy.
@@ -90,14 +91,20 @@ def action_seconds(action, old: Plan, new: Plan, cost_model) -> float:
         return cost.stall_s + cost.persist_s  # before a restart the persist must finish
     if isinstance(action, RestoreCheckpoint):
         if action.source == MEMORY:
-            # Each worker copies its commit back; a worker taking a stage it did not hold
-            # receives that stage's state from a peer over the network.
+            # Each worker copies its commit back; one taking a stage it did not hold gets it from a peer.
             seconds = max(_replica_bytes(new, cost_model).values()) / (hw.host_gbps * 1e9)
-            moved = [b for w, b in _replica_bytes(new, cost_model).items()
-                     if set(s for _, s in new.holds[w]) != set(s for _, s in old.holds.get(w, ()))]
-            return seconds + (max(moved) / (hw.inter_node_gbps * 1e9) if moved else 0.0)
+            return seconds + _peer_copy_s(old, new, cost_model)
         return max(_node_bytes(new, cost_model).values()) / (hw.storage_gbps * 1e9)
+    if isinstance(action, SyncFromPeers):
+        return _peer_copy_s(old, new, cost_model)
     raise TypeError(f"the simulator has no cost for {action!r}")
+
+
+def _peer_copy_s(old: Plan, new: Plan, cost_model) -> float:
+    """Workers of `new` that hold stages they did not hold in `old` receive them over the network."""
+    moved = [b for w, b in _replica_bytes(new, cost_model).items()
+             if {s for _, s in new.holds[w]} != {s for _, s in old.holds.get(w, ())}]
+    return max(moved) / (cost_model.hw.inter_node_gbps * 1e9) if moved else 0.0
 
 
 class CheckpointLedger:

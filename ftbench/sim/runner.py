@@ -235,11 +235,14 @@ def _membership_change(event, strategy, cluster, ctx, out, log, t, it, plan, ckp
     new = recovery.plan or plan
     seconds, restored = 0.0, it
     for action in recovery.actions:
+        cost = action_seconds(action, plan, new, ctx.cost_model)
         if isinstance(action, SaveCheckpoint):
-            ckpt.ledger.add(it, t + seconds)
+            ckpt.ledger.add(it, t + seconds + cost)
         if isinstance(action, RestoreCheckpoint):
-            restored = ckpt.ledger.restorable(t)  # a persist still running when the failure struck is lost
-        seconds += action_seconds(action, plan, new, ctx.cost_model)
+            # After a failure, a persist still running when it struck is lost; a join restores
+            # what the recovery itself just saved.
+            restored = ckpt.ledger.restorable(t if event.kind == "fail" else t + seconds)
+        seconds += cost
     record = {"time_s": t, "iteration": it, "recovery_s": seconds, "lost_iterations": it - restored,
               "restored_iteration": restored, "actions": [type(a).__name__ for a in recovery.actions],
               "plan": new.name, "shape": new.shape}
