@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch
 
+from ftbench.metrics import fsync_dir
+
 FORMAT = 1
 MANIFEST = "manifest.json"
 _FOLDER = re.compile(r"iter_(\d{8,})")
@@ -58,20 +60,6 @@ def _check_name(name: str) -> None:
     # Shard names become file names: no separators, no "." / ".." tricks.
     if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or set(name) == {"."}:
         raise ValueError(f"shard name {name!r} is not a safe file name (use letters, digits, _ - .)")
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make renames in `folder` durable; not every platform lets a folder be opened."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_file(path: Path, data: bytes | memoryview) -> None:
@@ -210,13 +198,13 @@ class CheckpointStore:
                              "sha256": hashlib.sha256(data).hexdigest()}
             total += len(data)
             del data  # release the view so the buffer can be freed
-        _fsync_dir(folder)  # shards durable before the manifest can claim them
+        fsync_dir(folder)  # shards durable before the manifest can claim them
 
         manifest = {"iteration": iteration, "format": FORMAT, "shards": entries,
                     "created": datetime.now(timezone.utc).isoformat()}
         text = (json.dumps(manifest, indent=2) + "\n").encode()
         _write_file(folder / MANIFEST, text)
-        _fsync_dir(folder)
+        fsync_dir(folder)
         total += len(text)
         seconds = time.perf_counter() - start
 

@@ -76,8 +76,9 @@ def check_summary(summary: dict) -> None:
         raise ValueError(f"summary status {summary['status']!r} is not one of {', '.join(STATUSES)}")
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable; not every platform lets a folder be opened."""
+def fsync_dir(folder: Path) -> None:
+    """Make renames in `folder` durable; not every platform lets a folder be opened.
+    (Shared by summary.json and checkpoint files.)"""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -107,7 +108,7 @@ def write_summary(run_dir: Path | str, summary: dict) -> Path:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)
     return target
 
 

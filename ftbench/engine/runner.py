@@ -14,17 +14,12 @@ from dataclasses import dataclass, field
 from ftbench.engine.local import LocalEngine
 from ftbench.errors import UserError
 from ftbench.failures import FailureScript
+from ftbench.outcome import RunOutcome
 from ftbench.sim.runner import ITERATION_EVENT_FRACTION
 
 
 @dataclass
-class LocalOutcome:
-    status: str = "ok"
-    error: str | None = None
-    iterations: int = 0
-    time_s: float = 0.0
-    failures: int = 0
-    recoveries: list[dict] = field(default_factory=list)
+class LocalOutcome(RunOutcome):
     losses: list[float] = field(default_factory=list)
     checkpoints: int = 0
 

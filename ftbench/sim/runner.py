@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ftbench.cluster import Cluster
 from ftbench.costs import PlanCosts
 from ftbench.failures import FailureEvent, FailureScript
+from ftbench.outcome import RunOutcome
 from ftbench.plan import Plan
 from ftbench.schedule import check_coverage
 from ftbench.actions import RestoreCheckpoint, SaveCheckpoint
@@ -54,13 +55,7 @@ class SimCache:
 
 
 @dataclass
-class SimOutcome:
-    status: str = "ok"
-    error: str | None = None
-    iterations: int = 0
-    time_s: float = 0.0
-    failures: int = 0
-    recoveries: list[dict] = field(default_factory=list)
+class SimOutcome(RunOutcome):
     peak_memory_bytes: dict[int, float] = field(default_factory=dict)
     first_result: SimResult | None = None
 
