@@ -24,16 +24,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 import torch  # noqa: E402
 
 
-def compose(overrides):
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    from ftbench.cli import CONF_DIR
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
-
-
 def main() -> None:
+    from ftbench.cli import compose
     from ftbench.context import RunContext
     from ftbench.engine.reference import train_single_process
     from ftbench.run import execute

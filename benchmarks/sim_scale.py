@@ -20,16 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 
-def compose(overrides):
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    from ftbench.cli import CONF_DIR
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
-
-
 def main(extra: list[str]) -> None:
+    from ftbench.cli import compose
     from ftbench.run import execute
     from strategies import REGISTRY
 

@@ -23,6 +23,14 @@ EXIT_CODES = {"ok": 0, "error": 2, "oom": 3, "unrecoverable": 3}
 register_configs()
 
 
+def compose(overrides):
+    """The config `ftbench <overrides>` would run, without a run folder (tests, benchmarks)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg) -> None:
     hc = HydraConfig.get()

@@ -11,12 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def compose(*overrides: str):
     """The config the CLI would build for these overrides (no run folder, no Hydra job)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from ftbench.cli import compose as cli_compose
 
-    from ftbench.cli import CONF_DIR
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+    return cli_compose(overrides)
 
 
 def run(tmp_path, *overrides: str) -> dict:

@@ -24,14 +24,18 @@ class SaveCost:
     persist_s: float  # then storage is written in the background this long
 
 
+def _stage_bytes(plan: Plan, pipeline: int, stage: int, cost_model) -> float:
+    """Checkpointed bytes of one stage replica."""
+    layers = plan.layers(pipeline, stage)
+    return CHECKPOINT_BYTES_PER_PARAM * cost_model.stage(layers, stage == 0, plan.is_last_stage(pipeline, stage)).params
+
+
 def _replica_bytes(plan: Plan, cost_model) -> dict[int, float]:
     """Checkpointed bytes each worker holds."""
     out = defaultdict(float)
     for w, held in plan.holds.items():
         for pipeline, stage in held:
-            layers = plan.layers(pipeline, stage)
-            params = cost_model.stage(layers, stage == 0, plan.is_last_stage(pipeline, stage)).params
-            out[w] += CHECKPOINT_BYTES_PER_PARAM * params
+            out[w] += _stage_bytes(plan, pipeline, stage, cost_model)
     return out
 
 
@@ -51,9 +55,7 @@ def _writer_node_bytes(plan: Plan, cost_model) -> dict[int, float]:
     out = defaultdict(float)
     for stage, w in checkpoint_writers(plan).items():
         pipeline = next(p for p, s in plan.holds[w] if s == stage)
-        layers = plan.layers(pipeline, stage)
-        params = cost_model.stage(layers, stage == 0, plan.is_last_stage(pipeline, stage)).params
-        out[plan.node_of[w]] += CHECKPOINT_BYTES_PER_PARAM * params
+        out[plan.node_of[w]] += _stage_bytes(plan, pipeline, stage, cost_model)
     return out
 
 
