@@ -1,0 +1,233 @@
+"""A scheduling problem for one failure configuration of a pp x dp grid (ReCycle, SOSP 2024).
+
+Workers are grid positions (pipeline d, stage s). When (d, s) has failed, each of its
+micro-batches at stage s runs on a surviving peer (d', s) of the same stage: pipeline d's
+stage s-1 sends the activation there, the peer sends its output on to (d, s+1), and the
+backward goes the reverse way. Which peer takes which micro-batch is fixed here (balanced,
+round-robin); the planners (list-scheduling heuristic, MILP) decide each worker's op order.
+
+The timing semantics are the simulator's (ftbench.sim.simulator): an op starts when its
+worker is free and every input has arrived (producer end + transfer between workers); the
+optimizer step of a stage follows the all-reduce over the survivors of that stage.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+
+from ftbench.schedule import B, BW, F, NO_MICROBATCH, OPT, W, Op, Schedule, grid_worker
+
+Position = tuple[int, int]  # (pipeline, stage) on the grid
+
+# Bump when the planners' output for the same problem changes: cached plans then recompute.
+PLANNER_VERSION = 1
+
+
+class PlanningError(RuntimeError):
+    """No plan exists (a stage lost every replica) or a planner could not finish one."""
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds of one stage's ops for one micro-batch, and of its optimizer step and all-reduce."""
+    forward_s: float
+    backward_input_s: float
+    backward_weight_s: float
+    optimizer_s: float = 0.0
+    allreduce_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PlanningProblem:
+    pp: int
+    dp: int
+    microbatches: int  # per pipeline; the global batch never changes
+    stages: tuple[StageTimes, ...]  # one per stage
+    failed: frozenset = field(default_factory=frozenset)  # failed (pipeline, stage) positions
+    decoupled: bool = True  # B and W separate (W can fill bubbles) or one fused BW
+    intra_node_s: float = 0.0  # boundary send between workers on one node
+    inter_node_s: float = 0.0  # boundary send between nodes
+    gpus_per_node: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "failed", frozenset(tuple(p) for p in self.failed))
+        if len(self.stages) != self.pp:
+            raise ValueError(f"{len(self.stages)} stage timings for pp={self.pp}")
+        for d, s in self.failed:
+            if not (0 <= d < self.dp and 0 <= s < self.pp):
+                raise ValueError(f"failed position {(d, s)} is outside the {self.pp} x {self.dp} grid")
+        lost = [s for s in range(self.pp) if not self.survivors(s)]
+        if lost:
+            raise PlanningError(f"every replica of stage {lost[0]} has failed: its micro-batches cannot be re-routed")
+
+    # -- the grid -----------------------------------------------------------------------
+    def survivors(self, stage: int) -> list[int]:
+        """Pipelines whose worker at `stage` is alive."""
+        return [d for d in range(self.dp) if (d, stage) not in self.failed]
+
+    @property
+    def workers(self) -> list[Position]:
+        return [(d, s) for d in range(self.dp) for s in range(self.pp) if (d, s) not in self.failed]
+
+    def node(self, pos: Position) -> int:
+        return grid_worker(pos[0], pos[1], self.pp) // self.gpus_per_node
+
+    def transfer_s(self, src: Position, dst: Position) -> float:
+        if src == dst:
+            return 0.0
+        return self.intra_node_s if self.node(src) == self.node(dst) else self.inter_node_s
+
+    @cached_property
+    def assignment(self) -> dict[tuple[int, int, int], int]:
+        """(pipeline, stage, micro-batch) -> the pipeline whose stage-s worker runs it. A failed
+        worker's micro-batches go to its stage's survivors, the least loaded first, starting
+        with the next pipeline (so two failures in one stage do not pile onto one peer)."""
+        m = self.microbatches
+        runner = {}
+        for s in range(self.pp):
+            alive = self.survivors(s)
+            load = {d: m for d in alive}
+            for d in range(self.dp):
+                if d in load:
+                    runner.update({(d, s, k): d for k in range(m)})
+                    continue
+                ring = sorted(alive, key=lambda e: (e - d) % self.dp)
+                for k in range(m):
+                    peer = min(ring, key=lambda e: load[e])  # min keeps the ring order among ties
+                    load[peer] += 1
+                    runner[(d, s, k)] = peer
+        return runner
+
+    @cached_property
+    def load(self) -> dict[Position, int]:
+        """Micro-batches each surviving worker runs."""
+        out = {pos: 0 for pos in self.workers}
+        for (_, s, _), e in self.assignment.items():
+            out[(e, s)] += 1
+        return out
+
+    def stash_cap(self, pos: Position) -> int:
+        """Most micro-batches a worker may hold forwarded but not yet backpropagated (B/BW):
+        1F1B's pp - s, scaled by how many pipelines' worth of micro-batches it now runs."""
+        load = self.load[pos]
+        return min(load, (self.pp - pos[1]) * math.ceil(load / self.microbatches))
+
+    # -- ops ----------------------------------------------------------------------------
+    def ops_of(self, pos: Position) -> list[Op]:
+        """The F/B/W (or BW) ops a worker runs, in no particular order (OPT excluded)."""
+        d_run, s = pos
+        kinds = (F, B, W) if self.decoupled else (F, BW)
+        return [Op(kind, s, k, d) for (d, stage, k), e in sorted(self.assignment.items())
+                if stage == s and e == d_run for kind in kinds]
+
+    def duration(self, op: Op) -> float:
+        t = self.stages[op.stage]
+        return {F: t.forward_s, B: t.backward_input_s, W: t.backward_weight_s,
+                BW: t.backward_input_s + t.backward_weight_s, OPT: t.optimizer_s}[op.kind]
+
+    def dependencies(self, op: Op) -> list[Op]:
+        """Inputs of an F/B/W/BW op (the same rule as ftbench.schedule.dependencies)."""
+        kind, s, k, d = op
+        back = B if self.decoupled else BW
+        if kind == F:
+            return [Op(F, s - 1, k, d)] if s > 0 else []
+        if kind in (B, BW):
+            return [Op(F, s, k, d)] + ([Op(back, s + 1, k, d)] if s < self.pp - 1 else [])
+        if kind == W:
+            return [Op(B, s, k, d)]
+        raise ValueError(f"no dependencies for {op}")
+
+    def runner_of(self, op: Op) -> Position:
+        return (self.assignment[(op.pipeline, op.stage, op.microbatch)], op.stage)
+
+    def to_schedule(self, orders: dict[Position, list[Op]], name: str) -> Schedule:
+        """Per-worker orders of F/B/W ops -> a Schedule on grid worker ids, each survivor
+        stepping its own stage replica last."""
+        ops = {}
+        for (d, s), order in orders.items():
+            ops[grid_worker(d, s, self.pp)] = list(order) + [Op(OPT, s, NO_MICROBATCH, d)]
+        return Schedule(ops, stages=(self.pp,) * self.dp, microbatches=(self.microbatches,) * self.dp, name=name)
+
+    # -- identity -----------------------------------------------------------------------
+    def key(self) -> str:
+        """Everything a plan depends on, hashed: the on-disk cache key."""
+        data = asdict(self)
+        data["failed"] = sorted(self.failed)
+        data["version"] = PLANNER_VERSION
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def normalise(failed, dp: int, pp: int) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
+    """A failure configuration up to renaming pipelines: (per pipeline, its failed stages, in a
+    canonical pipeline order) and `order`, where canonical pipeline i is real pipeline order[i].
+    Configurations with the same form share one plan."""
+    by_pipeline = {d: tuple(sorted(s for e, s in failed if e == d)) for d in range(dp)}
+    # Most failed stages first, then by the stages themselves; stable in the real pipeline id.
+    order = sorted(range(dp), key=lambda d: (-len(by_pipeline[d]), by_pipeline[d], d))
+    return tuple(by_pipeline[d] for d in order), order
+
+
+def canonical_failed(form: tuple[tuple[int, ...], ...]) -> frozenset:
+    """The failed positions of a normal form, with canonical pipeline ids."""
+    return frozenset((i, s) for i, stages in enumerate(form) for s in stages)
+
+
+class ProblemCosts:
+    """The simulator's cost interface over a planning problem, so planners' orders are timed
+    by the one simulator (stash bytes count micro-batches)."""
+
+    def __init__(self, problem: PlanningProblem):
+        self.problem = problem
+
+    def _pos(self, worker: int) -> Position:
+        return divmod(worker, self.problem.pp)
+
+    def op_time(self, op: Op) -> float:
+        return self.problem.duration(op)
+
+    def transfer_time(self, src: int, dst: int) -> float:
+        return self.problem.transfer_s(self._pos(src), self._pos(dst))
+
+    def allreduce_time(self, stage: int, pipeline: int, workers) -> float:
+        return self.problem.stages[stage].allreduce_s if len(set(workers)) > 1 else 0.0
+
+    def stash_bytes(self, op: Op) -> float:
+        return 1.0
+
+    def weight_stash_bytes(self, op: Op) -> float:
+        return 0.0
+
+    def static_bytes(self, worker: int) -> float:
+        return 0.0
+
+
+def evaluate(problem: PlanningProblem, orders: dict[Position, list[Op]]):
+    """Simulate one iteration of per-worker orders: a ftbench.sim.simulator.SimResult."""
+    from ftbench.sim.simulator import simulate
+
+    return simulate(problem.to_schedule(orders, "candidate"), ProblemCosts(problem), dedupe=False)
+
+
+def stage_times(cost_model, partition, dp: int) -> tuple[StageTimes, ...]:
+    """Per-stage op times of a layer partition from the cost model (all-reduce over dp replicas
+    across nodes: the conservative case)."""
+    pp = len(partition)
+    out = []
+    for s, layers in enumerate(partition):
+        c = cost_model.stage(layers, s == 0, s == pp - 1)
+        out.append(StageTimes(c.forward_s, c.backward_input_s, c.backward_weight_s,
+                              cost_model.optimizer_s(c.params), cost_model.allreduce_s(c.params, dp, False)))
+    return tuple(out)
+
+
+def problem_for(ctx, pp: int, dp: int, gpus_per_node: int, failed=frozenset(), decoupled: bool = True
+                ) -> PlanningProblem:
+    """The planning problem of a run's grid (ftbench.context.RunContext) under `failed`."""
+    model = ctx.cost_model
+    return PlanningProblem(pp=pp, dp=dp, microbatches=ctx.microbatches,
+                           stages=stage_times(model, model.balanced_partition(pp), dp), failed=frozenset(failed),
+                           decoupled=decoupled, intra_node_s=model.boundary_s(True),
+                           inter_node_s=model.boundary_s(False), gpus_per_node=gpus_per_node)
