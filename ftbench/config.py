@@ -125,6 +125,18 @@ class CheckpointConfig(StrategyConfig):
 
 
 @dataclass
+class ReCycleConfig(CheckpointConfig):
+    """ReCycle; `every`, `mtbf_hours` and `keep` apply only with fallback: checkpoint."""
+    name: str = "recycle"
+    level: str = "staggered"  # reroute (1F1B, fused backward) | decoupled (+ B/W split) | staggered (+ staggered optimizer)
+    planner: str = "heuristic"  # heuristic (list scheduling) | milp (pulp/CBC, warm-started by the heuristic) | auto (MILP for small instances)
+    plan_ahead: int = 2  # plan every failure configuration of up to this many failed nodes before training
+    milp_time_limit_s: float = 30.0  # CBC time limit per plan; the best plan found by then is used
+    plan_cache: Optional[str] = "runs/plan-cache"  # folder of cached plans (null: keep them in memory only)
+    fallback: str = "none"  # none (a stage with no replica left ends the run) | checkpoint (restart from checkpoints)
+
+
+@dataclass
 class WandbConfig:
     """Weights & Biases sink. Offline runs land in the run folder; `wandb sync` uploads them."""
     mode: str = "${oc.env:WANDB_MODE,offline}"  # offline | online | disabled (default: $WANDB_MODE, else offline)
@@ -158,7 +170,8 @@ class FTBenchConfig:
 
 
 # Strategy schemas, by strategy name; later strategies add theirs here.
-STRATEGY_SCHEMAS: dict[str, type] = {"none": StrategyConfig, "checkpoint": CheckpointConfig}  # presets reuse "checkpoint"
+STRATEGY_SCHEMAS: dict[str, type] = {"none": StrategyConfig, "checkpoint": CheckpointConfig,
+                                     "recycle": ReCycleConfig}  # presets reuse "checkpoint"
 
 BACKENDS = ("sim", "local", "dist")  # backend=...; which of them run is ftbench.run's business
 

@@ -19,6 +19,7 @@ class Plan:
     holds: dict[int, tuple[tuple[int, int], ...]]  # worker -> (pipeline, stage) replicas whose weights and optimizer state it keeps
     node_of: dict[int, int]  # worker -> node (placement; decides intra- or inter-node links)
     name: str = ""
+    staggered_optimizer: bool = False  # no barrier between iterations (ReCycle): the sim times the steady state
     _key: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -48,13 +49,14 @@ class Plan:
         schedule = Schedule(ops, self.schedule.stages, self.schedule.microbatches, self.schedule.name)
         return Plan(schedule=schedule, partition=self.partition,
                     holds={to[w]: h for w, h in self.holds.items()},
-                    node_of={to[w]: node_of(to[w]) for w in old}, name=self.name)
+                    node_of={to[w]: node_of(to[w]) for w in old}, name=self.name,
+                    staggered_optimizer=self.staggered_optimizer)
 
     def key(self) -> tuple:
         if self._key is None:
             holds = tuple(sorted(self.holds.items()))
             self._key = (self.schedule.key(), self.partition, holds,
-                         tuple(sorted(self.node_of.items())))
+                         tuple(sorted(self.node_of.items())), self.staggered_optimizer)
         return self._key
 
 

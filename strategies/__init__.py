@@ -7,10 +7,11 @@ from strategies.checkfreq import CheckFreq
 from strategies.checkpoint import CheckpointRestart
 from strategies.elastic_horovod import ElasticHorovod
 from strategies.none import NoFaultTolerance
+from strategies.recycle import ReCycle
 from strategies.varuna import Varuna
 
 REGISTRY: dict[str, type] = {cls.name: cls for cls in (NoFaultTolerance, CheckpointRestart, CheckFreq,
-                                                       ElasticHorovod, Varuna)}
+                                                       ElasticHorovod, Varuna, ReCycle)}
 
 
 def build_strategy(cfg, ctx) -> Strategy:

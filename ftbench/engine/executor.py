@@ -56,7 +56,9 @@ class Executor:
             if isinstance(node, GradientSync):
                 self._allreduce(node, schedule)
                 continue
-            if stop_after is not None and ran >= stop_after:
+            # A failure strikes before any stage steps: an iteration is either lost whole or
+            # completed (a partially applied step is Swift's undo problem, not modelled here).
+            if stop_after is not None and (ran >= stop_after or node.kind == OPT):
                 return IterationResult(float("nan"), ran, False)
             worker = self.workers[where[node]]
             replica = worker.replica(node.stage)

@@ -42,7 +42,7 @@ class SimCache:
         result = self._results.get(key) if self.enabled else None
         if result is None:
             check_coverage(plan.schedule)  # a strategy's plan must train every micro-batch once
-            result = simulate(plan.schedule, PlanCosts(self.cost_model, plan))
+            result = simulate(plan.schedule, PlanCosts(self.cost_model, plan), staggered=plan.staggered_optimizer)
             self.simulations += 1
             if self.enabled:
                 self._results[key] = result

@@ -14,7 +14,7 @@ static_bytes(worker) (see ftbench.costs.PlanCosts; tests pass simpler ones).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ftbench.schedule import (B, BW, F, OPT, W, GradientSync, Op, Schedule, dependency_graph,
                               topological_order, weight_gradient_ops)
@@ -29,6 +29,7 @@ class SimResult:
     peak_stash: dict[int, int]  # most micro-batches forwarded but not yet backpropagated (B/BW)
     peak_activation_bytes: dict[int, float]
     peak_memory_bytes: dict[int, float]  # static state + peak activations
+    previous_ops: list = field(default_factory=list)  # staggered: the iteration before, for timelines
 
     @property
     def workers(self) -> list[int]:
@@ -43,7 +44,7 @@ class SimResult:
         """Entries for ftbench.report.plot_gantt, all-reduces drawn on their member workers."""
         rows = [{"worker": w, "kind": op.kind, "stage": op.stage, "pipeline": op.pipeline,
                  "microbatch": None if op.kind == OPT else op.microbatch, "start": s, "end": e}
-                for w, op, s, e in self.ops]
+                for w, op, s, e in self.previous_ops + self.ops]
         for ar, members, s, e in self.allreduces:
             if e > s:
                 rows += [{"worker": w, "kind": "AR", "stage": ar.stage, "pipeline": -1,
@@ -85,7 +86,16 @@ def _stage_order(schedule: Schedule, workers) -> list[int]:
     return sorted(workers, key=lambda w: (min(op.stage for op in schedule.ops[w]), w))
 
 
-def simulate(schedule: Schedule, costs, dedupe: bool = True) -> SimResult:
+# Iterations simulated back to back for a staggered optimizer: the period between the last
+# two is the steady-state iteration time (worker-order coupling settles within a few).
+STAGGER_ROUNDS = 4
+
+
+def simulate(schedule: Schedule, costs, dedupe: bool = True, staggered: bool = False) -> SimResult:
+    """One iteration of `schedule`. With `staggered` (ReCycle's staggered optimizer) there is
+    no barrier between iterations: each worker starts the next iteration as soon as its own
+    optimizer step is done, so one stage's warm-up overlaps another's cool-down. Iterations
+    then run back to back and the iteration time is the steady-state period."""
     copies, owners = _replica_classes(schedule, costs) if dedupe else ({}, {})
     copied_workers = {w for d in copies for w in owners[d]}
     present = set(range(len(schedule.stages))) - set(copies)
@@ -93,13 +103,38 @@ def simulate(schedule: Schedule, costs, dedupe: bool = True) -> SimResult:
     for w in copied_workers:
         for op in schedule.ops[w]:
             del deps[op]
+    order = topological_order(schedule, deps, copied_workers)
+    worker_free = defaultdict(float)
+    rounds = [_one_round(schedule, costs, deps, order, worker_free)
+              for _ in range(STAGGER_ROUNDS if staggered else 1)]
+    ops_out, ar_out = rounds[-1]
+    previous = []
+    if staggered:
+        # Shown from the start of the previous iteration; the period is the distance between
+        # the ends of the last two.
+        prev_ops, prev_ar = rounds[-2]
+        t0 = min(s for _, _, s, _ in prev_ops)
+        end_prev = max([e for *_, e in prev_ops] + [e for *_, e in prev_ar])
+        end_last = max([e for *_, e in ops_out] + [e for *_, e in ar_out])
+        period = end_last - end_prev
+        shift = lambda rows: [(*r[:2], r[2] - t0, r[3] - t0) for r in rows]  # noqa: E731
+        previous = shift(prev_ops + _copy_replicas(schedule, copies, owners, prev_ops))
+        ops_out, ar_out = shift(ops_out), shift(ar_out)
+    ops_out += _copy_replicas(schedule, copies, owners, ops_out)
+    result = _summarise(schedule, costs, ops_out, ar_out)
+    if staggered:
+        result.iteration_time, result.previous_ops = period, previous
+    return result
+
+
+def _one_round(schedule: Schedule, costs, deps: dict, order: list, worker_free) -> tuple[list, list]:
+    """Time one iteration in topological `order`; `worker_free` carries over between rounds."""
     where = schedule.index()
     end: dict = {}
-    worker_free = defaultdict(float)
     ops_out, ar_out = [], []
     # Any order that respects dependencies and worker orders gives the same times: an op
     # starts when its worker is free and its inputs have arrived.
-    for node in topological_order(schedule, deps, copied_workers):
+    for node in order:
         if isinstance(node, GradientSync):
             members = sorted({where[o] for o in weight_gradient_ops(schedule, node.stage, node.replicas[0])})
             start = max(end[o] for o in deps[node])
@@ -115,8 +150,7 @@ def simulate(schedule: Schedule, costs, dedupe: bool = True) -> SimResult:
             worker_free[w] = finish
             ops_out.append((w, node, start, finish))
         end[node] = finish
-    ops_out += _copy_replicas(schedule, copies, owners, ops_out)
-    return _summarise(schedule, costs, ops_out, ar_out)
+    return ops_out, ar_out
 
 
 def _copy_replicas(schedule: Schedule, copies: dict[int, int], owners, ops_out) -> list:

@@ -1,0 +1,407 @@
+"""An exact planner: the ReCycle (SOSP 2024) schedule MILP, solved with CBC through pulp.
+
+In ReCycle's vocabulary, a failed worker's micro-batches are *adaptively re-routed* to its
+data-parallel peers of the same stage (PlanningProblem.assignment fixes which peer), and the
+planner decides on every surviving worker when each F, B and W (or fused BW) runs, so that
+the peers' extra work lands in the pipeline bubbles (*decoupled back-propagation* lets W
+wait for a bubble) and the gradient all-reduce and optimizer step start as early as possible.
+This module writes that decision as a mixed-integer program:
+
+- start time S_o >= 0 of every F/B/W/BW op o, duration d_o;
+- dependencies: S_o >= S_p + d_p + transfer(p -> o) for each input p of o (a boundary send
+  between workers, none on one worker);
+- one op at a time per worker: for two ops a, b of one worker, a binary x_ab (a before b) and
+  the big-M disjunction S_b >= S_a + d_a - M_ab (1 - x_ab), S_a >= S_b + d_b - M_ba x_ab.
+  Pairs whose order is known carry no binary: ops of one kind and one owner pipeline run in
+  micro-batch order (the restriction the heuristic and the warm starts obey too), which with
+  the dependencies fixes F(j) < B(k) < W(l) for j <= k <= l of one pipeline; and a pair whose
+  reverse order cannot fit under the incumbent's makespan is fixed as well;
+- the stash cap (*memory-constrained* schedules): when F_k starts on a worker, at most
+  cap - 1 other micro-batches are forwarded there and not yet backpropagated:
+  sum_j y_jk <= cap - 1 with y_jk >= [F_j before F_k] + [F_k before B_j] - 1;
+- the gradient sync of stage s at G_s >= the end of every op of stage s (its last op is a W or
+  BW, so it ends after everything its worker runs), each survivor's optimizer step ending at
+  E_ds = max(G_s + all-reduce_s, last op end) + optimizer_s, and the iteration time
+  C >= every E_ds. The all-reduce is free when one survivor is left (ProblemCosts).
+- minimise C.
+
+These are the simulator's semantics (ftbench.sim.simulator) with start times relaxed from
+"as soon as possible" to "no earlier than possible", so the simulated time of the orders a
+solution induces is at most its C. The orders are read off by sorting each worker's ops by
+S and timed by evaluate().
+
+Times are scaled to about one op duration inside the model (CBC's tolerances are absolute).
+Heads and tails (longest dependency paths before an op and after it, plus what the fixed
+orders force onto one worker) bound every S, tighten the big-Ms and give the lower bound on C.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+import pulp
+
+from ftbench.planning.problem import PlanningError, PlanningProblem, Position, evaluate
+from ftbench.schedule import B, BW, F, W, Op, ScheduleError
+
+_RANK = {F: 0, B: 1, BW: 1, W: 2}  # the order of one micro-batch's ops on its worker
+
+
+@dataclass
+class MilpResult:
+    orders: dict[Position, list[Op]]  # per surviving worker, its F/B/W (or BW) ops in order (no OPT)
+    makespan: float  # simulated iteration time of `orders`
+    objective: float  # the MILP's objective value (the incumbent's makespan when CBC found nothing better)
+    bound: float  # CBC's best lower bound on the objective (== objective when optimal)
+    status: str  # "optimal" | "feasible" (time limit hit, or the warm start kept)
+    seconds: float  # wall time of the solve
+    binaries: int
+    constraints: int
+
+
+def solve(problem: PlanningProblem, warm_start: dict[Position, list[Op]] | None = None,
+          time_limit_s: float = 30.0) -> MilpResult:
+    """The best per-worker orders CBC finds within `time_limit_s`, never worse than `warm_start`.
+
+    `bound` is CBC's best bound (parsed from its log), raised to the model's static lower
+    bound (heads, tails, per-worker busy time), and never above the objective."""
+    t0 = time.perf_counter()
+    incumbent, sim = _list_schedule(problem)
+    if warm_start is not None:
+        warm_sim = evaluate(problem, warm_start)
+        if _obeys(problem, warm_start, warm_sim) and warm_sim.iteration_time <= sim.iteration_time:
+            incumbent, sim = warm_start, warm_sim
+    model = _Model(problem, sim.iteration_time)
+    model.start_from(incumbent, sim)
+    cbc_status, objective, bound = model.run(time_limit_s)
+
+    fallback = warm_start if warm_start is not None else incumbent
+    fallback_time = evaluate(problem, fallback).iteration_time if fallback is not incumbent else sim.iteration_time
+    orders, makespan, status = fallback, fallback_time, "feasible"
+    if cbc_status is not None:
+        candidate = model.orders()
+        candidate_time = _checked_time(problem, candidate)
+        if candidate_time is not None and candidate_time <= fallback_time:
+            orders, makespan, status = candidate, candidate_time, cbc_status
+    if cbc_status is None:  # no solution from CBC: report the incumbent it was given
+        objective = sim.iteration_time
+    bound = min(max(bound, model.lower_bound), objective)
+    return MilpResult(orders, makespan, objective, bound, status, time.perf_counter() - t0,
+                      model.binaries, model.constraints)
+
+
+class _Model:
+    def __init__(self, problem: PlanningProblem, upper_bound: float):
+        self.p = problem
+        ops = [op for pos in problem.workers for op in problem.ops_of(pos)]
+        self.where = {op: problem.runner_of(op) for op in ops}
+        self.unit = max(problem.duration(op) for op in ops) or 1.0
+        self.dur = {op: problem.duration(op) / self.unit for op in ops}
+        self.ub = upper_bound / self.unit * (1 + 1e-9) + 1e-9  # slack: the incumbent must stay feasible
+        self.back = B if problem.decoupled else BW
+        self.by_worker = {pos: sorted(problem.ops_of(pos), key=lambda o: (o.microbatch, _RANK[o.kind], o.pipeline))
+                          for pos in problem.workers}
+        self.edges = self._edges(ops)
+        self._fixed = {pos: set() for pos in problem.workers}  # (a, b): a before b, beyond the rule
+        for _ in range(3):  # fixings sharpen heads and tails, which may fix more pairs
+            self._sort()
+            self._bounds()
+            fixed = self._fix_by_bound()
+            if not fixed:
+                break
+            self.edges += [(a, b, self.dur[a]) for a, b in fixed]
+        self._sort()
+        self._build()
+
+    # -- static structure -------------------------------------------------------------
+    def _edges(self, ops: list[Op]) -> list[tuple[Op, Op, float]]:
+        """Precedence edges (a, b, lag): b starts >= lag after a starts. Dependencies, plus the
+        chain of each (kind, pipeline) on a worker in micro-batch order."""
+        p = self.p
+        edges = []
+        for op in ops:
+            for dep in p.dependencies(op):
+                edges.append((dep, op, self.dur[dep] + p.transfer_s(self.where[dep], self.where[op]) / self.unit))
+        for wops in self.by_worker.values():
+            chains = defaultdict(list)
+            for op in wops:
+                chains[(op.kind, op.pipeline)].append(op)
+            for chain in chains.values():
+                edges += [(a, b, self.dur[a]) for a, b in zip(chain, chain[1:])]
+        return edges
+
+    def _sort(self) -> None:
+        """A topological order of the edges (Kahn)."""
+        ops = list(self.dur)
+        succ, indeg = defaultdict(list), {op: 0 for op in ops}
+        for a, b, _ in self.edges:
+            succ[a].append(b)
+            indeg[b] += 1
+        ready, self.topo = deque(op for op in ops if indeg[op] == 0), []
+        while ready:
+            op = ready.popleft()
+            self.topo.append(op)
+            for b in succ[op]:
+                indeg[b] -= 1
+                if indeg[b] == 0:
+                    ready.append(b)
+        assert len(self.topo) == len(ops), "dependency cycle"
+        self.rank = {op: i for i, op in enumerate(self.topo)}
+
+    def before(self, a: Op, b: Op) -> bool:
+        """a precedes b on their worker in every schedule considered (the fixed orders)."""
+        if (a, b) in self._fixed[self.where[a]]:
+            return True
+        if a.pipeline != b.pipeline:
+            return False
+        if a.kind == b.kind:
+            return a.microbatch < b.microbatch
+        return _RANK[a.kind] < _RANK[b.kind] and a.microbatch <= b.microbatch
+
+    def _tail_base(self, op: Op) -> float:
+        """From the end of a W/BW to C at least: the all-reduce (free with one survivor), then the optimizer."""
+        t = self.p.stages[op.stage]
+        ar = t.allreduce_s if len(self.p.survivors(op.stage)) > 1 else 0.0
+        return (ar + t.optimizer_s) / self.unit
+
+    def _bounds(self) -> None:
+        """head(o): earliest start of o; tail(o): least time from its end to C. Longest paths
+        over the edges, raised by one-machine bounds over what the fixed orders put before
+        (after) o on its worker (Jackson's rule: the preds in head order, without idling more than forced)."""
+        preds, succs = defaultdict(list), defaultdict(list)
+        for a, b, lag in self.edges:
+            preds[b].append((a, lag))
+            succs[a].append((b, lag))
+        self.head = {}
+        for op in self.topo:
+            h = max([0.0] + [self.head[a] + lag for a, lag in preds[op]])
+            t = 0.0
+            for a in sorted(self._earlier(op), key=self.head.get):
+                t = max(t, self.head[a]) + self.dur[a]
+            self.head[op] = max(h, t)
+        self.tail = {}
+        for op in reversed(self.topo):
+            base = self._tail_base(op)
+            tl = max([base] + [lag - self.dur[op] + self.dur[b] + self.tail[b] for b, lag in succs[op]])
+            t = base
+            for b in sorted(self._later(op), key=self.tail.get):  # the same bound, time reversed
+                t = max(t, self.tail[b]) + self.dur[b]
+            self.tail[op] = max(tl, t)
+        self.lower_bound = max(self.head[o] + self.dur[o] + self.tail[o] for o in self.topo)
+        for pos, wops in self.by_worker.items():  # a worker runs everything it has, from its first head
+            t = 0.0
+            for op in sorted(wops, key=self.head.get):
+                t = max(t, self.head[op]) + self.dur[op]
+            self.lower_bound = max(self.lower_bound, t + min(self._tail_base(o) for o in wops))
+        self.lower_bound *= self.unit
+
+    def _earlier(self, op: Op) -> list[Op]:
+        return [a for a in self.by_worker[self.where[op]] if a != op and self.before(a, op)]
+
+    def _later(self, op: Op) -> list[Op]:
+        return [b for b in self.by_worker[self.where[op]] if b != op and self.before(op, b)]
+
+    def _fix_by_bound(self) -> list[tuple[Op, Op]]:
+        """Fix a before b when b before a cannot finish under the incumbent's makespan."""
+        fixed = []
+        for pos, wops in self.by_worker.items():
+            for i, a in enumerate(wops):
+                for b in wops[i + 1:]:
+                    if self.before(a, b) or self.before(b, a):
+                        continue
+                    if self.head[b] + self.dur[b] + self.dur[a] + self.tail[a] > self.ub:
+                        fixed.append((a, b))
+                    elif self.head[a] + self.dur[a] + self.dur[b] + self.tail[b] > self.ub:
+                        fixed.append((b, a))
+        for a, b in fixed:
+            self._fixed[self.where[a]].add((a, b))
+        return fixed
+
+    # -- the MILP ---------------------------------------------------------------------
+    def _build(self) -> None:
+        p, dur, ub = self.p, self.dur, self.ub
+        m = self.m = pulp.LpProblem("recycle", pulp.LpMinimize)
+        self.S = {op: pulp.LpVariable(f"S{i}", self.head[op], max(self.head[op], ub - self.tail[op] - dur[op]))
+                  for i, op in enumerate(self.topo)}
+        self.C = pulp.LpVariable("C", min(self.lower_bound / self.unit, ub), ub)
+        self.G = {s: pulp.LpVariable(f"G{s}", 0, ub) for s in range(p.pp)}
+        m += self.C
+        for a, b, lag in self.edges:  # dependencies and micro-batch order
+            m += self.S[b] >= self.S[a] + lag
+        self.x = {}
+        for pos, wops in self.by_worker.items():
+            for i, a in enumerate(wops):
+                for b in wops[i + 1:]:
+                    if (a, b) in self._fixed[pos]:
+                        m += self.S[b] >= self.S[a] + dur[a]
+                    elif (b, a) in self._fixed[pos]:
+                        m += self.S[a] >= self.S[b] + dur[b]
+                    elif not (self.before(a, b) or self.before(b, a)):
+                        x = self.x[(a, b)] = pulp.LpVariable(f"x{len(self.x)}", cat="Binary")
+                        # The tightest big-Ms under C <= ub: S_a + d_a - S_b <= ub - tail(a) - head(b).
+                        m += self.S[b] >= self.S[a] + dur[a] - (ub - self.tail[a] - self.head[b]) * (1 - x)
+                        m += self.S[a] >= self.S[b] + dur[b] - (ub - self.tail[b] - self.head[a]) * x
+        self.y = {}
+        for pos, wops in self.by_worker.items():
+            self._stash(pos, [op for op in wops if op.kind == F])
+        for pos, wops in self.by_worker.items():
+            # The last op of a worker is a W/BW, so G_s waits for all of it: what is fixed to
+            # follow `a` still runs after a ends (a linear strengthening of G_s >= end(W)).
+            for a in wops:
+                m += self.G[a.stage] >= self.S[a] + dur[a] + sum(dur[b] for b in self._later(a))
+        for s in range(p.pp):
+            t = p.stages[s]
+            ar = t.allreduce_s if len(p.survivors(s)) > 1 else 0.0
+            m += self.C >= self.G[s] + (ar + t.optimizer_s) / self.unit  # E_ds >= G_s + AR + opt
+        self.binaries = len(self.x)
+        self.constraints = len(m.constraints)
+
+    def order_expr(self, a: Op, b: Op):
+        """[a before b] on one worker: 1, 0, or an expression in the binaries."""
+        if self.before(a, b):
+            return 1
+        if self.before(b, a):
+            return 0
+        return self.x[(a, b)] if (a, b) in self.x else 1 - self.x[(b, a)]
+
+    def _stash(self, pos: Position, forwards: list[Op]) -> None:
+        cap = self.p.stash_cap(pos)
+        if cap >= len(forwards):
+            return
+        for k in forwards:
+            const, terms = 0, []
+            for j in forwards:
+                if j == k:
+                    continue
+                held = (self.order_expr(j, k), self.order_expr(k, j._replace(kind=self.back)))
+                if 0 in held:
+                    continue  # F_j after F_k, or B_j before F_k: j not stashed when F_k starts
+                if held == (1, 1):
+                    const += 1
+                elif 1 in held:
+                    terms.append(held[0] if held[1] == 1 else held[1])
+                else:
+                    y = self.y[(j, k)] = pulp.LpVariable(f"y{len(self.y)}", 0, 1)
+                    self.m += y >= held[0] + held[1] - 1
+                    terms.append(y)
+            if const + len(terms) > cap - 1:
+                self.m += pulp.lpSum(terms) + const <= cap - 1
+
+    # -- warm start, solve, read back -------------------------------------------------
+    def start_from(self, orders: dict[Position, list[Op]], sim) -> None:
+        """Initial values from a simulated incumbent (CBC's MIP start)."""
+        start = {op: s / self.unit for _, op, s, _ in sim.ops if op in self.S}
+        for op, var in self.S.items():
+            _initial(var, start[op])
+        position = {op: i for order in orders.values() for i, op in enumerate(order)}
+        for (a, b), x in self.x.items():
+            x.setInitialValue(1 if position[a] < position[b] else 0)
+        value = lambda e: e if isinstance(e, int) else e.value()  # noqa: E731
+        for (j, k), y in self.y.items():
+            y.setInitialValue(max(0, value(self.order_expr(j, k))
+                                  + value(self.order_expr(k, j._replace(kind=self.back))) - 1))
+        for s, g in self.G.items():
+            _initial(g, max(e for _, op, _, e in sim.ops if op.stage == s and op in self.S) / self.unit)
+        _initial(self.C, sim.iteration_time / self.unit)
+
+    def run(self, time_limit_s: float) -> tuple[str | None, float, float]:
+        """(status or None when CBC found no solution, objective, CBC's bound), in seconds."""
+        with tempfile.TemporaryDirectory() as tmp:
+            log = os.path.join(tmp, "cbc.log")
+            self.m.solve(_cbc(time_limit_s, log))
+            with open(log) as f:
+                text = f.read()
+        if self.m.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) or self.C.value() is None:
+            return None, math.inf, _parse_bound(text, 0.0) * self.unit
+        objective = self.C.value() * self.unit
+        proved = self.m.sol_status == pulp.LpSolutionOptimal and "Optimal solution found" in text
+        bound = objective if proved else _parse_bound(text, 0.0) * self.unit
+        return ("optimal" if proved else "feasible"), objective, bound
+
+    def orders(self) -> dict[Position, list[Op]]:
+        """Each worker's ops by start time; ties (zero-length ops) in a dependency-respecting order."""
+        return {pos: sorted(wops, key=lambda o: (round(self.S[o].value(), 9), self.rank[o]))
+                for pos, wops in self.by_worker.items()}
+
+
+def _initial(var: pulp.LpVariable, value: float) -> None:
+    """A MIP-start value, clamped into the variable's bounds (they differ by rounding only)."""
+    low = -math.inf if var.lowBound is None else var.lowBound
+    high = math.inf if var.upBound is None else var.upBound
+    var.setInitialValue(min(max(value, low), high))
+
+
+def _cbc(time_limit_s: float, log_path: str):
+    # pulp 3 deprecates PULP_CBC_CMD; its bundled binary is the same CBC run through COIN_CMD.
+    path = getattr(pulp.PULP_CBC_CMD, "pulp_cbc_path", None)
+    if path is None or not os.path.exists(path):
+        path = None  # a CBC on PATH (pulp[cbc])
+    return pulp.COIN_CMD(path=path, msg=False, timeLimit=time_limit_s, warmStart=True, threads=1, logPath=log_path)
+
+
+def _parse_bound(log: str, default: float) -> float:
+    """CBC's final 'Lower bound:' line (printed when it stops before proving optimality)."""
+    found = re.findall(r"^Lower bound:\s*([-+0-9.eE]+)", log, re.MULTILINE)
+    return float(found[-1]) if found else default
+
+
+def _obeys(problem: PlanningProblem, orders: dict[Position, list[Op]], sim) -> bool:
+    """Whether `orders` lies in the MILP's space: each (kind, pipeline) in micro-batch order on
+    every worker, and the stash caps kept."""
+    for pos, order in orders.items():
+        last = {}
+        for op in order:
+            if last.get((op.kind, op.pipeline), -1) > op.microbatch:
+                return False
+            last[(op.kind, op.pipeline)] = op.microbatch
+    return all(sim.peak_stash[pos[0] * problem.pp + pos[1]] <= problem.stash_cap(pos) for pos in orders)
+
+
+def _checked_time(problem: PlanningProblem, orders: dict[Position, list[Op]]) -> float | None:
+    """Simulated time of orders read off a solution, None when they do not run or break a cap."""
+    try:
+        sim = evaluate(problem, orders)
+    except ScheduleError:
+        return None
+    return sim.iteration_time if _obeys(problem, orders, sim) else None
+
+
+def _list_schedule(problem: PlanningProblem):
+    """A valid incumbent (the MILP's upper bound and MIP start when no better warm start comes):
+    repeatedly run the op that can start first, backward before forward before W on ties,
+    keeping each (kind, pipeline) in micro-batch order and every stash under its cap.
+    Returns (orders, SimResult)."""
+    queues = defaultdict(deque)
+    for pos in problem.workers:
+        for op in sorted(problem.ops_of(pos), key=lambda o: o.microbatch):
+            queues[(pos, op.kind, op.pipeline)].append(op)
+    priority = {B: 0, BW: 0, F: 1, W: 2}
+    end, free = {}, defaultdict(float)
+    stash = defaultdict(int)
+    orders = {pos: [] for pos in problem.workers}
+    for _ in range(sum(len(q) for q in queues.values())):
+        best = None
+        for (pos, kind, _), q in queues.items():
+            if not q or (kind == F and stash[pos] >= problem.stash_cap(pos)):
+                continue
+            op = q[0]
+            deps = problem.dependencies(op)
+            if any(d not in end for d in deps):
+                continue
+            start = max([free[pos]] + [end[d] + problem.transfer_s(problem.runner_of(d), pos) for d in deps])
+            key = (start, priority[kind], op.microbatch, op.pipeline)
+            if best is None or key < best[0]:
+                best = (key, pos, op)
+        if best is None:
+            raise PlanningError("list scheduling found no runnable op")
+        (start, *_), pos, op = best
+        queues[(pos, op.kind, op.pipeline)].popleft()
+        end[op] = free[pos] = start + problem.duration(op)
+        stash[pos] += {F: 1, B: -1, BW: -1}.get(op.kind, 0)
+        orders[pos].append(op)
+    return orders, evaluate(problem, orders)
