@@ -87,41 +87,108 @@ def plot_gantt(timeline: list[dict], path: Path | str, title: str = "",
     import matplotlib
     matplotlib.use("Agg")  # files only: never needs a display
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     labels = worker_labels or {}
-    workers = sorted({op["worker"] for op in timeline} | set(labels))
-    rows, capped = _rows_to_draw(workers)
-    row_of = {worker: index for index, worker in enumerate(rows)}
-
-    t0 = min((op["start"] for op in timeline), default=0.0)
-    span = max((op["end"] for op in timeline), default=0.0) - t0
-    scale, unit = _time_unit(span)
+    rows, _, _ = _gantt_rows(timeline, labels)
+    t0, span = gantt_span([timeline])
     width_in, row_in = 12.0, 0.3
     height_in = max(2.6, 1.6 + row_in * max(len(rows), 1))
     fig, ax = plt.subplots(figsize=(width_in, height_in))
     try:
-        # About 3 points of plot width, in time units: the narrowest bar a separator suits.
-        narrow = span * scale * 3.0 / (width_in * 72 * 0.75)
-        _draw_ops(ax, timeline, row_of, t0, scale, narrow)
-        _draw_labels(ax, timeline, row_of, t0, scale, span, width_in, row_in)
-        _style_axes(ax, rows, labels, span * scale, unit, t0, capped)
-        present = [k for k in KIND_COLOURS if any(op["kind"] == k for op in timeline)]
-        handles = [Patch(facecolor=KIND_COLOURS[k], edgecolor="#555555",
-                         hatch="////" if k in COMM_KINDS else None,
-                         label="AR (all-reduce)" if k == "AR" else k) for k in present]
-        handles.append(Patch(facecolor="white", edgecolor="#BBBBBB", label="idle (bubble)"))
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-        ax.set_title(_gantt_title(title, timeline, workers, rows, capped, span, scale, unit),
-                     fontsize=10, loc="left")
-        if not timeline:
-            ax.text(0.5, 0.5, "empty timeline", transform=ax.transAxes, ha="center", va="center")
+        _draw_gantt(ax, timeline, labels, title, t0, span, width_in, row_in)
+        ax.legend(handles=_legend_handles([timeline]), loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  frameon=False)
         fig.savefig(path, dpi=120, bbox_inches="tight", facecolor="white")
     finally:
         plt.close(fig)
     return path
+
+
+def plot_gantt_panels(panels: list[tuple[str, list[dict]]], path: Path | str, title: str = "") -> Path:
+    """Several timelines stacked vertically on one shared time axis, one panel per
+    (title, timeline), into a PNG: same origin and scale everywhere, so lengths compare at a
+    glance. Panels draw as in plot_gantt; the legend (every kind in any panel) appears once."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not panels:
+        raise ValueError("plot_gantt_panels needs at least one (title, timeline) panel")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    timelines = [timeline for _, timeline in panels]
+    t0, span = gantt_span(timelines)
+    width_in, row_in = 12.0, 0.3
+    # Each panel: its rows plus about 0.9 in for its two-line title and the tick labels.
+    heights = [0.9 + row_in * max(len(_gantt_rows(tl, {})[0]), 1) for tl in timelines]
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False,
+                             figsize=(width_in, sum(heights) + 0.6 + (0.4 if title else 0.0)),
+                             gridspec_kw={"height_ratios": heights}, layout="constrained")
+    axes = [row[0] for row in axes]
+    try:
+        for ax, (panel_title, timeline) in zip(axes, panels):
+            _draw_gantt(ax, timeline, {}, panel_title, t0, span, width_in, row_in)
+        for ax in axes[:-1]:
+            ax.set_xlabel("")  # one time axis: labelled at the bottom only
+        axes[0].legend(handles=_legend_handles(timelines), loc="upper left",
+                       bbox_to_anchor=(1.01, 1.0), frameon=False)
+        if title:
+            fig.suptitle(title, fontsize=11, x=0.0, ha="left")
+        fig.savefig(path, dpi=120, bbox_inches="tight", facecolor="white")
+    finally:
+        plt.close(fig)
+    return path
+
+
+def gantt_span(timelines: list[list[dict]]) -> tuple[float, float]:
+    """(t0, span) covering every op of every timeline: the common origin and length of the
+    time axis (0.0, 0.0 when there are no ops)."""
+    starts = [op["start"] for timeline in timelines for op in timeline]
+    ends = [op["end"] for timeline in timelines for op in timeline]
+    t0 = min(starts, default=0.0)
+    return t0, max(ends, default=0.0) - t0
+
+
+def _gantt_rows(timeline: list[dict], labels: dict[int, str]) -> tuple[list[int], list[int], bool]:
+    """(rows drawn, all workers, whether rows were capped)."""
+    workers = sorted({op["worker"] for op in timeline} | set(labels))
+    rows, capped = _rows_to_draw(workers)
+    return rows, workers, capped
+
+
+def _draw_gantt(ax: Any, timeline: list[dict], labels: dict[int, str], title: str, t0: float,
+                span: float, width_in: float, row_in: float) -> None:
+    """One timeline into `ax` (bars, micro-batch numbers, axes, title) on the time axis
+    [t0, t0 + span]; the legend is the caller's."""
+    rows, workers, capped = _gantt_rows(timeline, labels)
+    row_of = {worker: index for index, worker in enumerate(rows)}
+    scale, unit = _time_unit(span)
+    # About 3 points of plot width, in time units: the narrowest bar a separator suits.
+    narrow = span * scale * 3.0 / (width_in * 72 * 0.75)
+    _draw_ops(ax, timeline, row_of, t0, scale, narrow)
+    _draw_labels(ax, timeline, row_of, t0, scale, span, width_in, row_in)
+    _style_axes(ax, rows, labels, span * scale, unit, t0, capped)
+    ax.set_title(_gantt_title(title, timeline, workers, rows, capped, _own_span(timeline), scale, unit),
+                 fontsize=10, loc="left")
+    if not timeline:
+        ax.text(0.5, 0.5, "empty timeline", transform=ax.transAxes, ha="center", va="center")
+
+
+def _own_span(timeline: list[dict]) -> float:
+    return gantt_span([timeline])[1]
+
+
+def _legend_handles(timelines: list[list[dict]]) -> list:
+    from matplotlib.patches import Patch
+
+    kinds = {op["kind"] for timeline in timelines for op in timeline}
+    handles = [Patch(facecolor=KIND_COLOURS[k], edgecolor="#555555",
+                     hatch="////" if k in COMM_KINDS else None,
+                     label="AR (all-reduce)" if k == "AR" else k) for k in KIND_COLOURS if k in kinds]
+    handles.append(Patch(facecolor="white", edgecolor="#BBBBBB", label="idle (bubble)"))
+    return handles
 
 
 def _draw_ops(ax: Any, timeline: list[dict], row_of: dict[int, int], t0: float,

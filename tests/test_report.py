@@ -9,8 +9,8 @@ import pytest
 
 from ftbench.metrics import SUMMARY_KEYS, write_summary
 from ftbench.report import (
-    KIND_COLOURS, bubble_fraction, format_summary, human_duration, load_runs, main, plot_gantt,
-    runs_table,
+    KIND_COLOURS, bubble_fraction, format_summary, gantt_span, human_duration, load_runs, main,
+    plot_gantt, plot_gantt_panels, runs_table,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -80,6 +80,33 @@ def test_gantt_of_a_hundred_workers(tmp_path):
 
 def test_gantt_of_an_empty_timeline(tmp_path):
     assert_png(plot_gantt([], tmp_path / "empty.png"))
+
+
+def test_gantt_panels_share_one_time_axis(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from ftbench.schedule import one_f_one_b, zb_h1
+    from ftbench.sim.simulator import simulate
+    from ftbench.sim.unit_costs import UnitCosts
+
+    short = simulate(one_f_one_b(2, 2), UnitCosts()).timeline()  # 8 time units
+    long = simulate(zb_h1(2, 4), UnitCosts()).timeline()  # longer: 4 micro-batches
+    assert gantt_span([short, long]) == (0.0, max(op["end"] for op in long))
+    xlims = []
+    save = Figure.savefig
+
+    def spy(fig, *args, **kwargs):  # the figure is closed inside: read its axes while saving
+        xlims.extend(ax.get_xlim() for ax in fig.axes)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    path = plot_gantt_panels([("1F1B, 2 micro-batches", short), ("ZB-H1, 4 micro-batches", long)],
+                             tmp_path / "p" / "panels.png", title="two schedules")
+    assert path == tmp_path / "p" / "panels.png"
+    assert_png(path)
+    assert len(xlims) == 2 and xlims[0] == xlims[1]
+    # A span of 13 (>= 10 s) is drawn in seconds: the longer timeline fits on both panels.
+    assert xlims[0][1] >= max(op["end"] for op in long) == 13.0
 
 
 def test_format_summary_shows_status_and_throughput():

@@ -9,15 +9,14 @@ pipeline keep micro-batch order on a worker (the MILP uses the same restriction)
 
 Time is advanced event by event with a heap of each worker's next possible start, so a
 plan for pp=8 x dp=16 x 32 micro-batches takes well under a second. Two priority rules are
-tried (backward-first and forward-first for the warm-up) and the faster plan, as timed by
-the simulator, is kept.
+tried (backward-first and forward-first for the warm-up) and the faster plan is kept.
 """
 from __future__ import annotations
 
 import heapq
 from collections import defaultdict, deque
 
-from ftbench.planning.problem import PlanningError, PlanningProblem, Position, evaluate
+from ftbench.planning.problem import PlanningError, PlanningProblem, Position
 from ftbench.schedule import B, BW, F, W, Op
 
 # Lower runs first. "backward-first" is 1F1B's rule; "forward-first" fills the pipeline
@@ -30,14 +29,14 @@ def list_schedule(problem: PlanningProblem, rules=tuple(RULES)) -> dict[Position
     """Per surviving worker, its F/B/W ops in order: the best of the priority `rules`."""
     best, best_time = None, float("inf")
     for rule in rules:
-        orders = _schedule(problem, RULES[rule])
-        time = evaluate(problem, orders).iteration_time
+        orders, time = _schedule(problem, RULES[rule])
         if time < best_time - 1e-12:
             best, best_time = orders, time
     return best
 
 
-def _schedule(problem: PlanningProblem, priority: dict[str, int]) -> dict[Position, list[Op]]:
+def _schedule(problem: PlanningProblem, priority: dict[str, int]) -> tuple[dict[Position, list[Op]], float]:
+    """One list-scheduling pass: (orders, iteration time under the simulator's rules)."""
     runner = {}
     chains: dict[Position, dict[tuple, deque]] = {}
     for pos in problem.workers:
@@ -114,4 +113,19 @@ def _schedule(problem: PlanningProblem, priority: dict[str, int]) -> dict[Positi
         stuck = [pos for pos in problem.workers if any(chains[pos].values())]
         raise PlanningError(f"list scheduling stalled with {total - scheduled} ops left (workers {stuck[:4]}): "
                             "the stash caps leave no runnable op")
-    return orders
+    return orders, _iteration_time(problem, end, free)
+
+
+def _iteration_time(problem: PlanningProblem, end: dict[Op, float], free: dict[Position, float]) -> float:
+    """Each stage's all-reduce starts after its last weight gradient anywhere; a worker steps
+    after that and its own last op (ftbench.sim.simulator's rules, without simulating again)."""
+    last_grad = defaultdict(float)
+    for op, t in end.items():
+        if op.kind in (W, BW):
+            last_grad[op.stage] = max(last_grad[op.stage], t)
+    time = 0.0
+    for pos in problem.workers:
+        s = pos[1]
+        sync = last_grad[s] + (problem.stages[s].allreduce_s if len(problem.survivors(s)) > 1 else 0.0)
+        time = max(time, max(free[pos], sync) + problem.stages[s].optimizer_s)
+    return time

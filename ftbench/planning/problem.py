@@ -117,11 +117,16 @@ class PlanningProblem:
 
     # -- ops ----------------------------------------------------------------------------
     def ops_of(self, pos: Position) -> list[Op]:
-        """The F/B/W (or BW) ops a worker runs, in no particular order (OPT excluded)."""
-        d_run, s = pos
+        """The F/B/W (or BW) ops a worker runs, by owner pipeline and micro-batch (OPT excluded)."""
+        return list(self._ops_by_worker.get(pos, ()))
+
+    @cached_property
+    def _ops_by_worker(self) -> dict[Position, list[Op]]:
         kinds = (F, B, W) if self.decoupled else (F, BW)
-        return [Op(kind, s, k, d) for (d, stage, k), e in sorted(self.assignment.items())
-                if stage == s and e == d_run for kind in kinds]
+        out: dict[Position, list[Op]] = {pos: [] for pos in self.workers}
+        for (d, s, k), e in sorted(self.assignment.items()):
+            out[(e, s)] += [Op(kind, s, k, d) for kind in kinds]
+        return out
 
     def duration(self, op: Op) -> float:
         t = self.stages[op.stage]
