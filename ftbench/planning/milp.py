@@ -1,38 +1,44 @@
 """An exact planner: the ReCycle (SOSP 2024) schedule MILP, solved with CBC through pulp.
 
 In ReCycle's vocabulary, a failed worker's micro-batches are *adaptively re-routed* to its
-data-parallel peers of the same stage (PlanningProblem.assignment fixes which peer), and the
-planner decides on every surviving worker when each F, B and W (or fused BW) runs, so that
-the peers' extra work lands in the pipeline bubbles (*decoupled back-propagation* lets W
-wait for a bubble) and the gradient all-reduce and optimizer step start as early as possible.
-This module writes that decision as a mixed-integer program:
+data-parallel peers of the same stage (PlanningProblem.assignment fixes which peer takes
+which), and the planner decides when every surviving worker runs each of its F, B and W (or
+fused BW) ops, so that the peers' extra work fills the pipeline bubbles (*decoupled
+back-propagation* lets W wait for one) and the gradient all-reduce and optimizer step start
+as early as they can. As a mixed-integer program:
 
-- start time S_o >= 0 of every F/B/W/BW op o, duration d_o;
+- a start time S_o >= 0 for every F/B/W/BW op o of duration d_o;
 - dependencies: S_o >= S_p + d_p + transfer(p -> o) for each input p of o (a boundary send
-  between workers, none on one worker);
-- one op at a time per worker: for two ops a, b of one worker, a binary x_ab (a before b) and
-  the big-M disjunction S_b >= S_a + d_a - M_ab (1 - x_ab), S_a >= S_b + d_b - M_ba x_ab.
-  Pairs whose order is known carry no binary: ops of one kind and one owner pipeline run in
-  micro-batch order (the restriction the heuristic and the warm starts obey too), which with
-  the dependencies fixes F(j) < B(k) < W(l) for j <= k <= l of one pipeline; and a pair whose
-  reverse order cannot fit under the incumbent's makespan is fixed as well;
-- the stash cap (*memory-constrained* schedules): when F_k starts on a worker, at most
-  cap - 1 other micro-batches are forwarded there and not yet backpropagated:
+  between workers, none within one);
+- one op at a time per worker: for ops a, b of one worker a binary x_ab (a before b) and the
+  big-M disjunction S_b >= S_a + d_a - M_ab (1 - x_ab), S_a >= S_b + d_b - M_ba x_ab;
+- the stash cap (*memory-constrained* schedules): when F_k starts on a worker, at most cap - 1
+  other micro-batches are forwarded there and not yet backpropagated:
   sum_j y_jk <= cap - 1 with y_jk >= [F_j before F_k] + [F_k before B_j] - 1;
-- the gradient sync of stage s at G_s >= the end of every op of stage s (its last op is a W or
-  BW, so it ends after everything its worker runs), each survivor's optimizer step ending at
-  E_ds = max(G_s + all-reduce_s, last op end) + optimizer_s, and the iteration time
-  C >= every E_ds. The all-reduce is free when one survivor is left (ProblemCosts).
+- the gradient sync of stage s at G_s >= the end of every W/BW of stage s, each survivor's
+  optimizer step ending at E_ds = max(G_s + allreduce_s, its last op's end) + optimizer_s
+  (the all-reduce is free with one survivor, as in ProblemCosts), and C >= every E_ds. A
+  worker's last op is a W or BW, so E_ds = G_s + allreduce_s + optimizer_s for all its
+  survivors: one constraint per stage;
 - minimise C.
 
-These are the simulator's semantics (ftbench.sim.simulator) with start times relaxed from
-"as soon as possible" to "no earlier than possible", so the simulated time of the orders a
-solution induces is at most its C. The orders are read off by sorting each worker's ops by
-S and timed by evaluate().
+These are the simulator's semantics (ftbench.sim.simulator) with "as soon as possible"
+relaxed to "no earlier than possible", so the orders a solution induces (each worker's ops by
+S) simulate to at most its C (up to CBC's tolerances).
 
-Times are scaled to about one op duration inside the model (CBC's tolerances are absolute).
-Heads and tails (longest dependency paths before an op and after it, plus what the fixed
-orders force onto one worker) bound every S, tighten the big-Ms and give the lower bound on C.
+Fixed orders, which need no binary: ops of one kind and one owner pipeline run in micro-batch
+order on a worker (a restriction the heuristic and the warm starts obey too); with the
+dependencies that orders F(j) < B(k) < W(l) for j <= k <= l of one pipeline, and with the
+stash cap B(j) before the forward `cap` places after F(j). Two Ws of different pipelines on
+one worker follow their Bs' order (swapping equal Ws changes no time, so an optimum of that
+form exists). And a pair whose reverse order cannot fit under the incumbent's makespan is
+fixed: heads and tails (longest paths to an op and from it, raised by one-machine bounds over
+what the fixed orders put on its worker) show it. Heads and tails also bound each S and give
+each disjunction its own big-M, M_ab = incumbent - tail(a) - head(b). Sequencing cuts
+(G_s >= end of a + what runs after a on its worker, S_a >= the worker's first head + what runs
+before a) and a per-worker one-machine bound that knows the stash cap lift the lower bound.
+
+Times are scaled to about one op's length inside the model (CBC's tolerances are absolute).
 """
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ from dataclasses import dataclass
 import pulp
 
 from ftbench.planning.problem import PlanningError, PlanningProblem, Position, evaluate
-from ftbench.schedule import B, BW, F, W, Op, ScheduleError
+from ftbench.schedule import B, BW, F, W, Op, ScheduleError, grid_worker
 
 _RANK = {F: 0, B: 1, BW: 1, W: 2}  # the order of one micro-batch's ops on its worker
 
@@ -68,28 +74,31 @@ def solve(problem: PlanningProblem, warm_start: dict[Position, list[Op]] | None 
           time_limit_s: float = 30.0) -> MilpResult:
     """The best per-worker orders CBC finds within `time_limit_s`, never worse than `warm_start`.
 
-    `bound` is CBC's best bound (parsed from its log), raised to the model's static lower
-    bound (heads, tails, per-worker busy time), and never above the objective."""
+    The MIP start is the better of `warm_start` (when it keeps the fixed orders and the caps)
+    and a built-in list schedule; when CBC's orders simulate no better than the best of those,
+    that one comes back with status "feasible". `bound` is CBC's best bound as its log prints
+    it (rounded down), raised to the model's static lower bound (heads, tails, per-worker
+    one-machine bounds), never above the objective; it equals the objective when optimal."""
     t0 = time.perf_counter()
-    incumbent, sim = _list_schedule(problem)
+    known = [_list_schedule(problem, backward_first) for backward_first in (True, False)]
     if warm_start is not None:
-        warm_sim = evaluate(problem, warm_start)
-        if _obeys(problem, warm_start, warm_sim) and warm_sim.iteration_time <= sim.iteration_time:
-            incumbent, sim = warm_start, warm_sim
+        known.insert(0, (warm_start, evaluate(problem, warm_start)))
+    # The orders to fall back on, and the MIP start: the best of those in the model's space.
+    best, best_sim = min(known, key=lambda k: k[1].iteration_time)
+    incumbent, sim = min(((o, s) for o, s in known if _obeys(problem, o, s)), key=lambda k: k[1].iteration_time)
     model = _Model(problem, sim.iteration_time)
-    model.start_from(incumbent, sim)
+    start = _ws_in_b_order(incumbent)  # into the model's space, at the same times
+    model.start_from(start, evaluate(problem, start))
     cbc_status, objective, bound = model.run(time_limit_s)
 
-    fallback = warm_start if warm_start is not None else incumbent
-    fallback_time = evaluate(problem, fallback).iteration_time if fallback is not incumbent else sim.iteration_time
-    orders, makespan, status = fallback, fallback_time, "feasible"
-    if cbc_status is not None:
-        candidate = model.orders()
-        candidate_time = _checked_time(problem, candidate)
-        if candidate_time is not None and candidate_time <= fallback_time:
-            orders, makespan, status = candidate, candidate_time, cbc_status
+    orders, makespan, status = best, best_sim.iteration_time, "feasible"
     if cbc_status is None:  # no solution from CBC: report the incumbent it was given
         objective = sim.iteration_time
+    else:
+        candidate = model.orders()
+        candidate_time = _checked_time(problem, candidate)
+        if candidate_time is not None and candidate_time <= makespan:
+            orders, makespan, status = candidate, candidate_time, cbc_status
     bound = min(max(bound, model.lower_bound), objective)
     return MilpResult(orders, makespan, objective, bound, status, time.perf_counter() - t0,
                       model.binaries, model.constraints)
@@ -107,7 +116,7 @@ class _Model:
         self.by_worker = {pos: sorted(problem.ops_of(pos), key=lambda o: (o.microbatch, _RANK[o.kind], o.pipeline))
                           for pos in problem.workers}
         self.edges = self._edges(ops)
-        self._fixed = {pos: set() for pos in problem.workers}  # (a, b): a before b, beyond the rule
+        self._fixed = set()  # (a, b): a before b, beyond the rules
         for _ in range(3):  # fixings sharpen heads and tails, which may fix more pairs
             self._sort()
             self._bounds()
@@ -127,12 +136,21 @@ class _Model:
         for op in ops:
             for dep in p.dependencies(op):
                 edges.append((dep, op, self.dur[dep] + p.transfer_s(self.where[dep], self.where[op]) / self.unit))
-        for wops in self.by_worker.values():
+        self.index = {}  # op -> its place in its (kind, pipeline) chain on its worker
+        for pos, wops in self.by_worker.items():
             chains = defaultdict(list)
             for op in wops:
                 chains[(op.kind, op.pipeline)].append(op)
             for chain in chains.values():
+                self.index.update((op, i) for i, op in enumerate(chain))
                 edges += [(a, b, self.dur[a]) for a, b in zip(chain, chain[1:])]
+            # The stash cap orders one pipeline's backward before its forward `cap` places on:
+            # otherwise cap + 1 of its micro-batches would be stashed when that forward starts.
+            cap = p.stash_cap(pos)
+            for (kind, _), chain in chains.items():
+                if kind == F:
+                    edges += [(a._replace(kind=self.back), b, self.dur[a._replace(kind=self.back)])
+                              for a, b in zip(chain, chain[cap:])]
         return edges
 
     def _sort(self) -> None:
@@ -155,12 +173,16 @@ class _Model:
 
     def before(self, a: Op, b: Op) -> bool:
         """a precedes b on their worker in every schedule considered (the fixed orders)."""
-        if (a, b) in self._fixed[self.where[a]]:
+        if a.kind == b.kind == W and a.pipeline != b.pipeline:
+            return self.before(a._replace(kind=B), b._replace(kind=B))
+        if (a, b) in self._fixed:
             return True
         if a.pipeline != b.pipeline:
             return False
         if a.kind == b.kind:
             return a.microbatch < b.microbatch
+        if a.kind == self.back and b.kind == F:  # the stash cap, within one pipeline
+            return self.index[b] - self.index[a] >= self.p.stash_cap(self.where[a])
         return _RANK[a.kind] < _RANK[b.kind] and a.microbatch <= b.microbatch
 
     def _tail_base(self, op: Op) -> float:
@@ -195,10 +217,24 @@ class _Model:
         self.lower_bound = max(self.head[o] + self.dur[o] + self.tail[o] for o in self.topo)
         for pos, wops in self.by_worker.items():  # a worker runs everything it has, from its first head
             t = 0.0
-            for op in sorted(wops, key=self.head.get):
-                t = max(t, self.head[op]) + self.dur[op]
+            for release, d in sorted(self._releases(pos, wops)):
+                t = max(t, release) + d
             self.lower_bound = max(self.lower_bound, t + min(self._tail_base(o) for o in wops))
         self.lower_bound *= self.unit
+
+    def _releases(self, pos: Position, wops: list[Op]) -> list[tuple[float, float]]:
+        """(earliest start, length) of a worker's ops for a one-machine bound. Its forwards are
+        alike, so take them by slot: the t-th forward it runs starts no earlier than the t-th
+        smallest forward head, nor (the stash cap) than the end of its (t - cap)-th backward,
+        which starts no earlier than the (t - cap)-th smallest backward head."""
+        cap = self.p.stash_cap(pos)
+        forwards = sorted(self.head[o] for o in wops if o.kind == F)
+        d_f, d_b = (next(self.dur[o] for o in wops if o.kind == kind) for kind in (F, self.back))
+        starts = []  # the earliest start of the i-th backward it runs
+        for h in sorted(self.head[o] for o in wops if o.kind == self.back):
+            starts.append(max(h, starts[-1] + d_b) if starts else h)
+        slots = [(max(h, starts[t - cap] + d_b) if t >= cap else h, d_f) for t, h in enumerate(forwards)]
+        return slots + [(self.head[o], self.dur[o]) for o in wops if o.kind != F]
 
     def _earlier(self, op: Op) -> list[Op]:
         return [a for a in self.by_worker[self.where[op]] if a != op and self.before(a, op)]
@@ -212,57 +248,75 @@ class _Model:
         for pos, wops in self.by_worker.items():
             for i, a in enumerate(wops):
                 for b in wops[i + 1:]:
-                    if self.before(a, b) or self.before(b, a):
+                    if _paired(a, b) or self.before(a, b) or self.before(b, a):
                         continue
                     if self.head[b] + self.dur[b] + self.dur[a] + self.tail[a] > self.ub:
                         fixed.append((a, b))
                     elif self.head[a] + self.dur[a] + self.dur[b] + self.tail[b] > self.ub:
                         fixed.append((b, a))
-        for a, b in fixed:
-            self._fixed[self.where[a]].add((a, b))
-        return fixed
+        self._fixed.update(fixed)
+        # Two Ws of other pipelines follow their Bs' order: edges for the heads and tails.
+        return fixed + [(a._replace(kind=W), b._replace(kind=W)) for a, b in fixed
+                        if a.kind == b.kind == B and a.pipeline != b.pipeline]
 
     # -- the MILP ---------------------------------------------------------------------
     def _build(self) -> None:
         p, dur, ub = self.p, self.dur, self.ub
         m = self.m = pulp.LpProblem("recycle", pulp.LpMinimize)
-        self.S = {op: pulp.LpVariable(f"S{i}", self.head[op], max(self.head[op], ub - self.tail[op] - dur[op]))
+        self.S = {op: self._var(f"S{i}", self.head[op], max(self.head[op], ub - self.tail[op] - dur[op]))
                   for i, op in enumerate(self.topo)}
-        self.C = pulp.LpVariable("C", min(self.lower_bound / self.unit, ub), ub)
-        self.G = {s: pulp.LpVariable(f"G{s}", 0, ub) for s in range(p.pp)}
+        self.C = self._var("C", min(self.lower_bound / self.unit, ub), ub)
+        self.G = {s: self._var(f"G{s}", 0, ub) for s in range(p.pp)}
         m += self.C
         for a, b, lag in self.edges:  # dependencies and micro-batch order
             m += self.S[b] >= self.S[a] + lag
         self.x = {}
-        for pos, wops in self.by_worker.items():
-            for i, a in enumerate(wops):
-                for b in wops[i + 1:]:
-                    if (a, b) in self._fixed[pos]:
-                        m += self.S[b] >= self.S[a] + dur[a]
-                    elif (b, a) in self._fixed[pos]:
-                        m += self.S[a] >= self.S[b] + dur[b]
-                    elif not (self.before(a, b) or self.before(b, a)):
-                        x = self.x[(a, b)] = pulp.LpVariable(f"x{len(self.x)}", cat="Binary")
-                        # The tightest big-Ms under C <= ub: S_a + d_a - S_b <= ub - tail(a) - head(b).
-                        m += self.S[b] >= self.S[a] + dur[a] - (ub - self.tail[a] - self.head[b]) * (1 - x)
-                        m += self.S[a] >= self.S[b] + dur[b] - (ub - self.tail[b] - self.head[a]) * x
+        pairs = [(a, b) for wops in self.by_worker.values() for i, a in enumerate(wops) for b in wops[i + 1:]]
+        for a, b in pairs:
+            if not (_paired(a, b) or self.before(a, b) or self.before(b, a)):
+                self.x[(a, b)] = self._var(f"x{len(self.x)}", 0, 1, pulp.LpBinary)
+        for a, b in pairs:
+            if a.pipeline == b.pipeline and (a, b) not in self._fixed and (b, a) not in self._fixed:
+                continue  # ordered by the edges, or free
+            first = self.order_expr(a, b)
+            if isinstance(first, int):  # a fixed order the edges do not imply
+                a, b = (a, b) if first else (b, a)
+                m += self.S[b] >= self.S[a] + dur[a]
+        for a, b in pairs:
+            first = self.order_expr(a, b)
+            if not isinstance(first, int):
+                # The tightest big-Ms under C <= ub: S_a + d_a - S_b <= ub - tail(a) - head(b).
+                m += self.S[b] >= self.S[a] + dur[a] - (ub - self.tail[a] - self.head[b]) * (1 - first)
+                m += self.S[a] >= self.S[b] + dur[b] - (ub - self.tail[b] - self.head[a]) * first
         self.y = {}
         for pos, wops in self.by_worker.items():
             self._stash(pos, [op for op in wops if op.kind == F])
         for pos, wops in self.by_worker.items():
-            # The last op of a worker is a W/BW, so G_s waits for all of it: what is fixed to
-            # follow `a` still runs after a ends (a linear strengthening of G_s >= end(W)).
+            # Sequencing cuts, linear in the binaries: what runs after `a` on its worker fits
+            # between a's end and G_s (a worker's last op is a W or BW), what runs before it
+            # between the worker's first head and S_a. They are G_s >= end(W) and the
+            # dependencies when all orders are fixed, and lift the bound on C as binaries are.
+            start = min(self.head[o] for o in wops)
             for a in wops:
-                m += self.G[a.stage] >= self.S[a] + dur[a] + sum(dur[b] for b in self._later(a))
+                others = [b for b in wops if b != a]
+                m += self.G[a.stage] >= self.S[a] + dur[a] + pulp.lpSum(dur[b] * self.order_expr(a, b) for b in others)
+                m += self.S[a] >= start + pulp.lpSum(dur[b] * self.order_expr(b, a) for b in others)
         for s in range(p.pp):
             t = p.stages[s]
             ar = t.allreduce_s if len(p.survivors(s)) > 1 else 0.0
             m += self.C >= self.G[s] + (ar + t.optimizer_s) / self.unit  # E_ds >= G_s + AR + opt
         self.binaries = len(self.x)
-        self.constraints = len(m.constraints)
+        self.constraints = m.numConstraints()
+
+    def _var(self, name: str, low: float, high: float, cat: str = pulp.LpContinuous) -> pulp.LpVariable:
+        if hasattr(self.m, "add_variable"):  # pulp >= 3.3; LpVariable(...) alone is deprecated there
+            return self.m.add_variable(name, low, high, cat=cat)
+        return pulp.LpVariable(name, low, high, cat=cat)
 
     def order_expr(self, a: Op, b: Op):
         """[a before b] on one worker: 1, 0, or an expression in the binaries."""
+        if _paired(a, b):
+            return self.order_expr(a._replace(kind=B), b._replace(kind=B))
         if self.before(a, b):
             return 1
         if self.before(b, a):
@@ -279,14 +333,15 @@ class _Model:
                 if j == k:
                     continue
                 held = (self.order_expr(j, k), self.order_expr(k, j._replace(kind=self.back)))
-                if 0 in held:
-                    continue  # F_j after F_k, or B_j before F_k: j not stashed when F_k starts
-                if held == (1, 1):
+                known = [h for h in held if isinstance(h, int)]  # (pulp expressions overload ==)
+                if 0 in known:
+                    continue  # F_j after F_k, or B_j before F_k: j is not stashed when F_k starts
+                if len(known) == 2:
                     const += 1
-                elif 1 in held:
-                    terms.append(held[0] if held[1] == 1 else held[1])
+                elif known:
+                    terms.append(next(h for h in held if not isinstance(h, int)))
                 else:
-                    y = self.y[(j, k)] = pulp.LpVariable(f"y{len(self.y)}", 0, 1)
+                    y = self.y[(j, k)] = self._var(f"y{len(self.y)}", 0, 1)
                     self.m += y >= held[0] + held[1] - 1
                     terms.append(y)
             if const + len(terms) > cap - 1:
@@ -317,16 +372,33 @@ class _Model:
             with open(log) as f:
                 text = f.read()
         if self.m.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) or self.C.value() is None:
-            return None, math.inf, _parse_bound(text, 0.0) * self.unit
+            return None, math.inf, _parse_bound(text) * self.unit
         objective = self.C.value() * self.unit
-        proved = self.m.sol_status == pulp.LpSolutionOptimal and "Optimal solution found" in text
-        bound = objective if proved else _parse_bound(text, 0.0) * self.unit
+        proved = self.m.sol_status == pulp.LpSolutionOptimal  # CBC's "Optimal" (vs "Stopped on time")
+        bound = objective if proved else _parse_bound(text) * self.unit
         return ("optimal" if proved else "feasible"), objective, bound
 
     def orders(self) -> dict[Position, list[Op]]:
         """Each worker's ops by start time; ties (zero-length ops) in a dependency-respecting order."""
         return {pos: sorted(wops, key=lambda o: (round(self.S[o].value(), 9), self.rank[o]))
                 for pos, wops in self.by_worker.items()}
+
+
+def _paired(a: Op, b: Op) -> bool:
+    """Two Ws of different pipelines on one worker: the same length, inputs from their worker's
+    own Bs and nothing waiting on them but the sync, so swapping two of them changes no time.
+    Some optimal order therefore runs a worker's Ws in the order of their Bs; the model keeps
+    only such orders (x_{W_a W_b} = x_{B_a B_b}), which removes those binaries."""
+    return a.kind == b.kind == W and a.pipeline != b.pipeline
+
+
+def _ws_in_b_order(orders: dict[Position, list[Op]]) -> dict[Position, list[Op]]:
+    """The same orders with each worker's W slots refilled in the order of its Bs (see _paired)."""
+    out = {}
+    for pos, order in orders.items():
+        ws = iter([op._replace(kind=W) for op in order if op.kind == B])
+        out[pos] = [next(ws) if op.kind == W else op for op in order]
+    return out
 
 
 def _initial(var: pulp.LpVariable, value: float) -> None:
@@ -344,10 +416,20 @@ def _cbc(time_limit_s: float, log_path: str):
     return pulp.COIN_CMD(path=path, msg=False, timeLimit=time_limit_s, warmStart=True, threads=1, logPath=log_path)
 
 
-def _parse_bound(log: str, default: float) -> float:
-    """CBC's final 'Lower bound:' line (printed when it stops before proving optimality)."""
-    found = re.findall(r"^Lower bound:\s*([-+0-9.eE]+)", log, re.MULTILINE)
-    return float(found[-1]) if found else default
+def _parse_bound(log: str) -> float:
+    """CBC's best bound: its last 'best possible' progress figure or its closing 'Lower bound:'
+    line, whichever is higher, each lowered by half a unit of its last printed digit (CBC
+    rounds them, the closing one to a few digits). 0 when CBC printed neither."""
+    found = re.findall(r"best possible ([-+0-9.eE]+)", log)[-1:]
+    found += re.findall(r"^Lower bound:\s*([-+0-9.eE]+)", log, re.MULTILINE)[-1:]
+    return max((_round_down(text) for text in found), default=0.0)
+
+
+def _round_down(text: str) -> float:
+    """The least value that CBC could have printed as `text`."""
+    mantissa, _, exponent = text.lower().partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    return float(text) - 0.5 * 10.0 ** (int(exponent or 0) - decimals)
 
 
 def _obeys(problem: PlanningProblem, orders: dict[Position, list[Op]], sim) -> bool:
@@ -359,7 +441,7 @@ def _obeys(problem: PlanningProblem, orders: dict[Position, list[Op]], sim) -> b
             if last.get((op.kind, op.pipeline), -1) > op.microbatch:
                 return False
             last[(op.kind, op.pipeline)] = op.microbatch
-    return all(sim.peak_stash[pos[0] * problem.pp + pos[1]] <= problem.stash_cap(pos) for pos in orders)
+    return all(sim.peak_stash[grid_worker(*pos, problem.pp)] <= problem.stash_cap(pos) for pos in orders)
 
 
 def _checked_time(problem: PlanningProblem, orders: dict[Position, list[Op]]) -> float | None:
@@ -371,16 +453,16 @@ def _checked_time(problem: PlanningProblem, orders: dict[Position, list[Op]]) ->
     return sim.iteration_time if _obeys(problem, orders, sim) else None
 
 
-def _list_schedule(problem: PlanningProblem):
+def _list_schedule(problem: PlanningProblem, backward_first: bool = True):
     """A valid incumbent (the MILP's upper bound and MIP start when no better warm start comes):
-    repeatedly run the op that can start first, backward before forward before W on ties,
-    keeping each (kind, pipeline) in micro-batch order and every stash under its cap.
-    Returns (orders, SimResult)."""
+    repeatedly run the op that can start first, on ties backward before forward (or forward
+    first) and W last, keeping each (kind, pipeline) in micro-batch order and every stash
+    under its cap. Returns (orders, SimResult)."""
     queues = defaultdict(deque)
     for pos in problem.workers:
         for op in sorted(problem.ops_of(pos), key=lambda o: o.microbatch):
             queues[(pos, op.kind, op.pipeline)].append(op)
-    priority = {B: 0, BW: 0, F: 1, W: 2}
+    priority = {B: 0, BW: 0, F: 1, W: 2} if backward_first else {F: 0, B: 1, BW: 1, W: 2}
     end, free = {}, defaultdict(float)
     stash = defaultdict(int)
     orders = {pos: [] for pos in problem.workers}
