@@ -7,7 +7,10 @@ import itertools
 
 import pytest
 
+from ftbench.cli import compose
+from ftbench.context import RunContext
 from ftbench.planning import milp
+from ftbench.planning.milp import solve
 from ftbench.planning.problem import PlanningProblem, StageTimes, evaluate
 from ftbench.schedule import B, BW, F, OPT, W, ScheduleError, grid_worker, one_f_one_b, validate, zb_h1
 
@@ -160,3 +163,20 @@ def test_reproduces_1f1b_on_uniform_stages():
     assert result.status == "optimal"
     assert result.makespan == pytest.approx(expected, rel=1e-9)
     assert result.bound == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("failed", [set(), {(0, 1)}, {(0, 0), (1, 2)}, {(0, 1), (0, 2)}])
+def test_milp_optimum_is_never_slower_than_the_heuristic(failed, decoupled):
+    """Solved without the heuristic's warm start and proved optimal, the MILP's plan is at
+    least as fast as the list-scheduling heuristic's on every small instance."""
+    from ftbench.planning.heuristic import list_schedule
+    from ftbench.planning.problem import problem_for
+
+    ctx = RunContext.from_config(compose(["backend=sim", "model=gpt3-medium", "cluster.pp=3", "cluster.dp=2",
+                                          "train.microbatches=3"]))
+    problem = problem_for(ctx, 3, 2, 1, failed, decoupled=decoupled)
+    heuristic = evaluate(problem, list_schedule(problem)).iteration_time
+    result = solve(problem, time_limit_s=20)
+    assert result.status == "optimal"
+    assert result.makespan <= heuristic * (1 + 1e-9)
