@@ -34,7 +34,7 @@ from ftbench.failures import FailureEvent
 from ftbench.plan import Plan, holds_from_schedule
 from ftbench.planning.library import METHODS, PlanLibrary, forms_up_to
 from ftbench.planning.problem import normalise, problem_for
-from ftbench.schedule import Op, Schedule, grid_worker
+from ftbench.schedule import NO_MICROBATCH, OPT, Op, Schedule, grid_worker
 from strategies.base import Recovery
 from strategies.checkpoint import CheckpointRestart
 
@@ -92,7 +92,7 @@ class ReCycle(CheckpointRestart):
         ops = {}
         for (i, s), canonical in stored.orders.items():
             d = order[i]
-            ops[grid_worker(d, s, pp)] = [real(op) for op in canonical] + [Op("OPT", s, -1, d)]
+            ops[grid_worker(d, s, pp)] = [real(op) for op in canonical] + [Op(OPT, s, NO_MICROBATCH, d)]
         schedule = Schedule(ops, stages=(pp,) * dp, microbatches=(self.ctx.microbatches,) * dp,
                             name=f"recycle-{self.level}")
         label = "fault-free" if not self.failed else f"{len(self.failed)} re-routed"
