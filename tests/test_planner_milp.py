@@ -10,6 +10,7 @@ import pytest
 from ftbench.cli import compose
 from ftbench.context import RunContext
 from ftbench.planning import milp
+from ftbench.planning.heuristic import RULES, schedule_once
 from ftbench.planning.milp import solve
 from ftbench.planning.problem import PlanningProblem, StageTimes, evaluate
 from ftbench.schedule import B, BW, F, OPT, W, ScheduleError, grid_worker, one_f_one_b, validate, zb_h1
@@ -122,7 +123,7 @@ def test_brute_force_cases_need_the_solver():
     """Some tiny cases start from list schedules that are not optimal, so the brute-force test
     checks the MILP's search, not only its starting point."""
     def start(p):
-        return min(milp._list_schedule(p, first)[1].iteration_time for first in (True, False))
+        return min(schedule_once(p, rule)[1] for rule in RULES.values())
 
     beaten = [case for case in TINY if start(problem(*case)) > brute_force(problem(*case))]
     assert len(beaten) >= 3

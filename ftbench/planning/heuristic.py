@@ -29,13 +29,13 @@ def list_schedule(problem: PlanningProblem, rules=tuple(RULES)) -> dict[Position
     """Per surviving worker, its F/B/W ops in order: the best of the priority `rules`."""
     best, best_time = None, float("inf")
     for rule in rules:
-        orders, time = _schedule(problem, RULES[rule])
+        orders, time = schedule_once(problem, RULES[rule])
         if time < best_time - 1e-12:
             best, best_time = orders, time
     return best
 
 
-def _schedule(problem: PlanningProblem, priority: dict[str, int]) -> tuple[dict[Position, list[Op]], float]:
+def schedule_once(problem: PlanningProblem, priority: dict[str, int]) -> tuple[dict[Position, list[Op]], float]:
     """One list-scheduling pass: (orders, iteration time under the simulator's rules)."""
     runner = {}
     chains: dict[Position, dict[tuple, deque]] = {}

@@ -52,7 +52,8 @@ from dataclasses import dataclass
 
 import pulp
 
-from ftbench.planning.problem import PlanningError, PlanningProblem, Position, evaluate
+from ftbench.planning.heuristic import RULES, schedule_once
+from ftbench.planning.problem import PlanningProblem, Position, evaluate
 from ftbench.schedule import B, BW, F, W, Op, ScheduleError, grid_worker
 
 _RANK = {F: 0, B: 1, BW: 1, W: 2}  # the order of one micro-batch's ops on its worker
@@ -75,12 +76,14 @@ def solve(problem: PlanningProblem, warm_start: dict[Position, list[Op]] | None 
     """The best per-worker orders CBC finds within `time_limit_s`, never worse than `warm_start`.
 
     The MIP start is the better of `warm_start` (when it keeps the fixed orders and the caps)
-    and a built-in list schedule; when CBC's orders simulate no better than the best of those,
+    and the heuristic's list schedules (ftbench.planning.heuristic); when CBC's orders simulate no better than the best of those,
     that one comes back with status "feasible". `bound` is CBC's best bound as its log prints
     it (rounded down), raised to the model's static lower bound (heads, tails, per-worker
     one-machine bounds), never above the objective; it equals the objective when optimal."""
     t0 = time.perf_counter()
-    known = [_list_schedule(problem, backward_first) for backward_first in (True, False)]
+    # The heuristic's list schedules (both priority rules) are always candidates.
+    known = [(orders, evaluate(problem, orders))
+             for orders in (schedule_once(problem, rule)[0] for rule in RULES.values())]
     if warm_start is not None:
         known.insert(0, (warm_start, evaluate(problem, warm_start)))
     # The orders to fall back on, and the MIP start: the best of those in the model's space.
@@ -451,39 +454,3 @@ def _checked_time(problem: PlanningProblem, orders: dict[Position, list[Op]]) ->
     except ScheduleError:
         return None
     return sim.iteration_time if _obeys(problem, orders, sim) else None
-
-
-def _list_schedule(problem: PlanningProblem, backward_first: bool = True):
-    """A valid incumbent (the MILP's upper bound and MIP start when no better warm start comes):
-    repeatedly run the op that can start first, on ties backward before forward (or forward
-    first) and W last, keeping each (kind, pipeline) in micro-batch order and every stash
-    under its cap. Returns (orders, SimResult)."""
-    queues = defaultdict(deque)
-    for pos in problem.workers:
-        for op in sorted(problem.ops_of(pos), key=lambda o: o.microbatch):
-            queues[(pos, op.kind, op.pipeline)].append(op)
-    priority = {B: 0, BW: 0, F: 1, W: 2} if backward_first else {F: 0, B: 1, BW: 1, W: 2}
-    end, free = {}, defaultdict(float)
-    stash = defaultdict(int)
-    orders = {pos: [] for pos in problem.workers}
-    for _ in range(sum(len(q) for q in queues.values())):
-        best = None
-        for (pos, kind, _), q in queues.items():
-            if not q or (kind == F and stash[pos] >= problem.stash_cap(pos)):
-                continue
-            op = q[0]
-            deps = problem.dependencies(op)
-            if any(d not in end for d in deps):
-                continue
-            start = max([free[pos]] + [end[d] + problem.transfer_s(problem.runner_of(d), pos) for d in deps])
-            key = (start, priority[kind], op.microbatch, op.pipeline)
-            if best is None or key < best[0]:
-                best = (key, pos, op)
-        if best is None:
-            raise PlanningError("list scheduling found no runnable op")
-        (start, *_), pos, op = best
-        queues[(pos, op.kind, op.pipeline)].popleft()
-        end[op] = free[pos] = start + problem.duration(op)
-        stash[pos] += {F: 1, B: -1, BW: -1}.get(op.kind, 0)
-        orders[pos].append(op)
-    return orders, evaluate(problem, orders)
