@@ -24,6 +24,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TRACES_DIR = PROJECT_ROOT / "conf" / "traces"
 KINDS = ("none", "scripted", "interval", "poisson", "trace")
 EVENT_KINDS = ("fail", "join")
+# A failure scripted "at iteration k" strikes this far into iteration k (of its simulated timeline).
+ITERATION_EVENT_FRACTION = 0.5
 
 
 @dataclass(frozen=True)

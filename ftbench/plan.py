@@ -5,6 +5,7 @@ Strategies produce plans; backends execute them. A plan is data, so it can be ha
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ftbench.schedule import OPT, Schedule, grid_worker
@@ -74,3 +75,14 @@ def grid_plan(schedule: Schedule, stage_layers: tuple[LayerRange, ...], pp: int,
     return Plan(schedule=schedule, partition=(stage_layers,) * dp,
                 holds=holds_from_schedule(schedule),
                 node_of={w: w // gpus_per_node for w in workers}, name=name or schedule.name)
+
+
+def checkpoint_writers(plan: Plan) -> dict[int, int]:
+    """stage -> the worker that writes its shard: one replica per stage, taken from a
+    different pipeline for each stage so the writes spread over nodes (as distributed
+    checkpointing does) instead of all landing on pipeline 0's nodes."""
+    holders: dict[int, list[int]] = defaultdict(list)
+    for w in sorted(plan.holds):
+        for _, stage in plan.holds[w]:
+            holders[stage].append(w)
+    return {stage: ws[stage % len(ws)] for stage, ws in sorted(holders.items())}

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import compose
 from ftbench.context import RunContext
-from ftbench.sim.recovery import CHECKPOINT_BYTES_PER_PARAM, save_cost
+from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM, save_cost
 from strategies.checkpoint import young_daly_interval_s
 
 SIM = ("backend=sim", "model=gpt3-medium", "hardware=a100-80gb", "cluster.pp=4", "cluster.dp=2",

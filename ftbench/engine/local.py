@@ -19,7 +19,7 @@ from ftbench.checkpoint import CheckpointStore
 from ftbench.engine.executor import Executor, IterationResult
 from ftbench.engine.worker import StageReplica, Worker
 from ftbench.errors import ResultError
-from ftbench.sim.recovery import checkpoint_writers
+from ftbench.plan import checkpoint_writers
 from models.data import batch
 from models.gpt import build_stage, state_dict_from_stages
 

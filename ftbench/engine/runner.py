@@ -15,7 +15,7 @@ from ftbench.engine.local import LocalEngine
 from ftbench.errors import UserError
 from ftbench.failures import FailureScript
 from ftbench.outcome import RunOutcome
-from ftbench.sim.runner import ITERATION_EVENT_FRACTION
+from ftbench.failures import ITERATION_EVENT_FRACTION
 
 
 @dataclass

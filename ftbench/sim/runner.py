@@ -18,11 +18,11 @@ from ftbench.outcome import RunOutcome
 from ftbench.plan import Plan
 from ftbench.schedule import check_coverage
 from ftbench.actions import RestoreCheckpoint, SaveCheckpoint
-from ftbench.sim.recovery import CheckpointLedger, action_seconds, save_cost
+from ftbench.recovery_costs import CheckpointLedger, action_seconds, save_cost
 from ftbench.sim.simulator import SimResult, simulate
 
 # A failure scripted "at iteration k" strikes this far into iteration k.
-ITERATION_EVENT_FRACTION = 0.5
+from ftbench.failures import ITERATION_EVENT_FRACTION  # noqa: E402
 
 
 class SimCache:

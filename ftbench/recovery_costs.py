@@ -1,4 +1,5 @@
-"""What recovery actions and checkpoints cost in the simulator, from the cost model.
+"""What recovery actions and checkpoints cost under the cost model (the simulator's charges,
+and the modelled clock's on every backend).
 
 Bytes come from the plan (which worker holds which layers) and the model shape; seconds
 from the hardware profile: checkpoint files over `storage_gbps` per node (nodes write in
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from ftbench.actions import (FILE, MEMORY, SNAPSHOT, Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint,
                              SyncFromPeers, WaitForReplacement)
-from ftbench.plan import Plan
+from ftbench.plan import Plan, checkpoint_writers
 
 # fp32 master weights + Adam's two moments; the fp16 working weights are re-cast from the master copy.
 CHECKPOINT_BYTES_PER_PARAM = 12
@@ -37,17 +38,6 @@ def _replica_bytes(plan: Plan, cost_model) -> dict[int, float]:
         for pipeline, stage in held:
             out[w] += _stage_bytes(plan, pipeline, stage, cost_model)
     return out
-
-
-def checkpoint_writers(plan: Plan) -> dict[int, int]:
-    """stage -> the worker that writes its shard: one replica per stage, taken from a
-    different pipeline for each stage so the writes spread over nodes (as distributed
-    checkpointing does) instead of all landing on pipeline 0's nodes."""
-    holders: dict[int, list[int]] = defaultdict(list)
-    for w in sorted(plan.holds):
-        for _, stage in plan.holds[w]:
-            holders[stage].append(w)
-    return {stage: ws[stage % len(ws)] for stage, ws in sorted(holders.items())}
 
 
 def _writer_node_bytes(plan: Plan, cost_model) -> dict[int, float]:
