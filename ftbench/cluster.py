@@ -51,9 +51,47 @@ class Cluster:
     def is_alive(self, node: int) -> bool:
         return node in self.alive
 
+    def view(self) -> "ClusterView":
+        return ClusterView(self)
+
+    # -- membership changes: the run loop (ftbench.loop) is their only caller -------------
     def fail(self, node: int) -> None:
         self.alive.discard(node)
 
     def join(self, node: int) -> None:
         self.alive.add(node)
         self.nodes = max(self.nodes, node + 1)
+
+
+class ClusterView:
+    """What strategies see of the cluster: the current membership, read-only. A strategy
+    asks for changes through its `Recovery` (replace, standby, shape); the run loop applies
+    them, so membership has one writer."""
+
+    _READ = ("pp", "dp", "gpus_per_node", "nodes", "spares", "replacement_s", "workers")
+
+    def __init__(self, cluster: Cluster):
+        object.__setattr__(self, "_cluster", cluster)
+
+    def __getattr__(self, name):
+        if name in self._READ:
+            return getattr(self._cluster, name)
+        raise AttributeError(f"the cluster view has no {name!r}: membership is changed only by the run loop "
+                             "(ask for it through Recovery.replace / standby / shape)")
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"cannot set cluster.{name} from a strategy: return it in the Recovery "
+                             "(replace / standby / shape) and the run loop applies it")
+
+    @property
+    def alive(self) -> frozenset[int]:
+        return frozenset(self._cluster.alive)
+
+    def node_of(self, worker: int) -> int:
+        return self._cluster.node_of(worker)
+
+    def workers_on(self, node: int) -> list[int]:
+        return self._cluster.workers_on(node)
+
+    def is_alive(self, node: int) -> bool:
+        return self._cluster.is_alive(node)

@@ -84,6 +84,7 @@ class BackendConfig:
     name: str = "sim"  # sim | local | dist
     memoize: bool = True  # sim: simulate each distinct plan once
     dtype: str = "float32"  # local/dist: float32 | float64 (parameters, activations, optimizer state)
+    clock: Optional[str] = None  # model | wall; None: model on sim, wall on local/dist (see ftbench/loop.py)
 
 
 @dataclass

@@ -115,3 +115,10 @@ class CheckpointLedger:
         iteration = max(done, default=0)
         self.saved = [(i, at) for i, at in self.saved if i <= iteration and at <= t]
         return iteration
+
+    def drop_not_durable(self, t: float) -> list[int]:
+        """A failure at time t: checkpoints not yet durable (a save or persist in progress)
+        never complete. Returns their iterations."""
+        lost = [i for i, at in self.saved if at > t]
+        self.saved = [(i, at) for i, at in self.saved if at <= t]
+        return lost

@@ -19,11 +19,13 @@ from ftbench.metrics import MetricsWriter, WandbSink, write_summary
 from ftbench.report import format_summary, plot_gantt
 from ftbench.actions import FILE, SNAPSHOT
 from ftbench.checkpoint import CheckpointStore
+from ftbench.engine.backend import LocalBackend
 from ftbench.engine.local import LocalEngine, check_fits_host
-from ftbench.engine.runner import run_local
 from ftbench.equivalence import compare
 from ftbench.failures import FailureScript
-from ftbench.sim.runner import SimCache, run_simulation
+from ftbench.loop import CLOCKS, run_loop
+from ftbench.sim.backend import SimBackend
+from ftbench.sim.cache import SimCache
 from models.data import make_source
 from models.gpt import save_pretrained
 from strategies import build_strategy
@@ -94,14 +96,25 @@ def _run(cfg, run_dir: Path, log) -> dict:
     if ctx.backend not in AVAILABLE_BACKENDS:
         raise ConfigError("backend", f"backend '{ctx.backend}' is not implemented yet",
                           f"use one of {', '.join(AVAILABLE_BACKENDS)}")
+    clock = _clock(cfg)
     strategy = build_strategy(cfg.strategy, ctx)
-    log({"event": "start", "failures": script.description, "microbatches": ctx.microbatches,
+    log({"event": "start", "clock": clock, "failures": script.description, "microbatches": ctx.microbatches,
          "global_batch": ctx.global_batch, "nodes": cluster.nodes})
     common = {"microbatches": ctx.microbatches, "global_batch": ctx.global_batch, "seq_len": ctx.seq_len,
               "failure_script": script.description, "model_parameters": ctx.spec.parameters}
     if ctx.backend == "local":
-        return {**common, **_run_local(cfg, ctx, strategy, cluster, script, run_dir, log)}
+        return {**common, **_run_local(cfg, ctx, strategy, cluster, script, run_dir, log, clock)}
     return {**common, **_run_sim(cfg, ctx, strategy, cluster, script, run_dir, log)}
+
+
+def _clock(cfg) -> str:
+    clock = cfg.backend.get("clock") or ("model" if cfg.backend.name == "sim" else "wall")
+    if clock not in CLOCKS:
+        raise ConfigError("backend.clock", f"unknown option '{clock}'", f"choose one of {', '.join(CLOCKS)}")
+    if cfg.backend.name == "sim" and clock != "model":
+        raise ConfigError("backend.clock", "the simulator has only the modelled clock",
+                          "drop backend.clock, or set backend.clock=model")
+    return clock
 
 
 def _totals(outcome, ctx) -> dict:
@@ -110,14 +123,15 @@ def _totals(outcome, ctx) -> dict:
             "throughput": samples / outcome.time_s if outcome.time_s > 0 else 0.0,
             "failures": outcome.failures, "recoveries": outcome.recoveries,
             "lost_iterations": sum(r.get("lost_iterations", 0) for r in outcome.recoveries),
+            "plan_segments": outcome.plan_segments, "checkpoints": outcome.checkpoints,
             "status": outcome.status, "error": outcome.error}
 
 
 def _run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
     cache = SimCache(ctx.cost_model, enabled=cfg.backend.memoize)
     with _progress(ctx, cfg.report.progress, "simulating") as progress:
-        outcome = run_simulation(ctx, strategy, cluster, script, cache, log, progress)
-    first = outcome.first_result
+        outcome = run_loop(ctx, strategy, cluster, script, SimBackend(ctx), cache, log, progress)
+    first = outcome.first_timeline
     if first is not None and cfg.report.gantt:
         _draw_gantt(first, run_dir, cfg, ctx)
     log({"event": "end", "status": outcome.status, "iterations": outcome.iterations, "time_s": outcome.time_s})
@@ -130,12 +144,14 @@ def _run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
     }
 
 
-def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
+def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str) -> dict:
     check_fits_host(ctx, cfg.cluster.dp, cfg.backend.dtype)
     engine = local_engine(cfg, ctx, strategy, run_dir)
+    timelines = SimCache(ctx.cost_model)  # failure points (and the modelled clock's times)
     with _progress(ctx, cfg.report.progress, "training") as progress:
-        outcome = run_local(ctx, engine, strategy, cluster, script, log, progress)
-    result = {**_totals(outcome, ctx), "losses": outcome.losses, "checkpoints": outcome.checkpoints,
+        outcome = run_loop(ctx, strategy, cluster, script, LocalBackend(engine, realtime=clock == "wall"), timelines,
+                           log, progress, clock=clock)
+    result = {**_totals(outcome, ctx), "losses": outcome.losses, "clock": clock,
               "peak_memory_bytes": [engine.peak_memory[w] for w in sorted(engine.peak_memory)],
               "final_state": None, "matches_fault_free": None}
     if outcome.status == "ok":
@@ -168,7 +184,8 @@ def fault_free_reference(cfg, ctx) -> tuple[list[float], dict]:
     strategy = NoFaultTolerance(cfg.strategy, ctx)
     cluster = Cluster.from_config(cfg.cluster)
     engine = local_engine(cfg, ctx, strategy, None)
-    outcome = run_local(ctx, engine, strategy, cluster, FailureScript([], iter(())), lambda record: None)
+    outcome = run_loop(ctx, strategy, cluster, FailureScript([], iter(())), LocalBackend(engine), SimCache(ctx.cost_model),
+                       lambda record: None)
     return outcome.losses, engine.final_state()
 
 

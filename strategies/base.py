@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ftbench.cluster import Cluster
+from ftbench.cluster import ClusterView
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
 
@@ -16,6 +16,10 @@ class Recovery:
     actions: list[Any] = field(default_factory=list)  # recovery actions, as data; the backend charges/executes them
     plan: Plan | None = None  # the plan to continue with (None: keep the current one)
     unrecoverable: str | None = None  # set when training cannot go on: why
+    # Membership requests; the run loop applies them (it is the only writer of membership).
+    replace: tuple[int, ...] = ()  # failed nodes that get a replacement (a standby, else a new node)
+    standby: tuple[int, ...] = ()  # returning nodes that wait as standbys
+    shape: tuple[int, int] | None = None  # the job's new (pp, dp)
 
 
 class Strategy(Protocol):
@@ -25,8 +29,8 @@ class Strategy(Protocol):
     # which backends call with measured (local) or modelled (sim) costs.
     checkpoint_mode: str | None
 
-    def plan(self, cluster: Cluster) -> Plan:
+    def plan(self, cluster: ClusterView) -> Plan:
         """The plan for the cluster's current membership."""
 
-    def on_event(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
-        """React to a failure or join that the cluster already reflects."""
+    def on_event(self, event: FailureEvent, cluster: ClusterView, iteration: int) -> Recovery:
+        """React to a failure or join that the cluster already reflects (a read-only view)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ftbench.actions import FILE, RestartJob, RestoreCheckpoint, WaitForReplacement
+from ftbench.actions import FILE, RestartJob, RestoreCheckpoint
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
@@ -75,15 +75,11 @@ class CheckpointRestart:
 
     def on_join(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         if event.node not in self.nodes_in_use():
-            cluster.spares += 1  # a repaired node waits as a standby
+            return Recovery(standby=(event.node,))  # a repaired node waits as a standby
         return Recovery()
 
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
-        if cluster.spares > 0:
-            cluster.spares -= 1
-            wait = 0.0  # a standby is already up
-        else:
-            wait = cluster.replacement_s
-        cluster.join(event.node)  # the replacement takes the failed node's place
-        return Recovery(actions=[WaitForReplacement((event.node,), wait), RestartJob(), RestoreCheckpoint(FILE)],
-                        plan=self.current)
+        # A replacement takes the failed node's place (a standby at once, else a new node after
+        # cluster.replacement_s; the run loop decides which and adds the wait), then every
+        # process restarts and reloads.
+        return Recovery(actions=[RestartJob(), RestoreCheckpoint(FILE)], plan=self.current, replace=(event.node,))

@@ -27,7 +27,7 @@ so stepping each stage as soon as its all-reduce ends is exactly the synchronous
 """
 from __future__ import annotations
 
-from ftbench.actions import FILE, Rendezvous, RestartJob, RestoreCheckpoint, SyncFromPeers, WaitForReplacement
+from ftbench.actions import FILE, Rendezvous, SyncFromPeers
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
@@ -128,7 +128,7 @@ class ReCycle(CheckpointRestart):
         recovery = super().on_failure(event, cluster, 0)  # replacement, restart, reload
         self.failed -= hit
         self.current = self._plan_for(cluster)
-        return Recovery(actions=recovery.actions, plan=self.current)
+        return Recovery(actions=recovery.actions, plan=self.current, replace=recovery.replace)
 
     def on_join(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         back = self._positions(cluster, event.node) & self.failed

@@ -40,7 +40,8 @@ class Varuna(CheckpointRestart):
         if best is None:
             return Recovery(unrecoverable=f"no (pp, dp) shape of {self.ctx.spec.name} fits in memory on the "
                             f"{len(alive)} surviving workers")
-        return Recovery(actions=[RestartJob(), RestoreCheckpoint(FILE)], plan=self._morph(cluster, best, alive))
+        return Recovery(actions=[RestartJob(), RestoreCheckpoint(FILE)], plan=self._morph(cluster, best, alive),
+                        shape=best)
 
     def on_join(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         alive = self.alive_workers(cluster)
@@ -49,11 +50,10 @@ class Varuna(CheckpointRestart):
         if best is None or self._iteration_time(*best, cluster.gpus_per_node) >= now:
             return Recovery()  # the current shape is still the best: the node waits
         return Recovery(actions=[SaveCheckpoint(FILE), RestartJob(), RestoreCheckpoint(FILE)],
-                        plan=self._morph(cluster, best, alive))
+                        plan=self._morph(cluster, best, alive), shape=best)
 
     def _morph(self, cluster: Cluster, shape: tuple[int, int], alive: list[int]) -> Plan:
         pp, dp = shape
-        cluster.pp, cluster.dp = pp, dp
         self.current = self.ctx.grid_plan(pp, dp, cluster.gpus_per_node).on_workers(alive[:pp * dp], cluster.node_of)
         return self.current
 

@@ -107,7 +107,7 @@ def test_iteration_time_follows_the_cost_model():
 
 def test_a_plan_that_drops_a_microbatch_is_rejected_before_simulation():
     from ftbench.schedule import F, Op, ScheduleError
-    from ftbench.sim.runner import SimCache
+    from ftbench.sim.cache import SimCache
 
     ctx = RunContext.from_config(compose(*MEDIUM))
     plan = ctx.grid_plan(4, 2)
@@ -147,7 +147,7 @@ def test_a_crash_keeps_metrics_and_summary(tmp_path, monkeypatch, crash):
     def boom(*args, **kwargs):
         raise crash
 
-    monkeypatch.setattr(run_module, "run_simulation", boom)
+    monkeypatch.setattr(run_module, "run_loop", boom)
     with pytest.raises(type(crash)):
         run_module.execute(compose(*MEDIUM, "report.progress=false"), tmp_path, echo=lambda *_: None)
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -1,0 +1,99 @@
+"""The `local` backend: every worker in this process, real tensors, recovery done for real.
+
+It adapts `LocalEngine` (the workers' state) to the run loop's protocol (ftbench.loop):
+whole iterations, a failure cut at the resolved ops, and the recovery actions performed for
+real: replacements waited for, processes "restarted" (all state rebuilt from the initial
+weights), checkpoint files written and read, state copied from peers.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+
+from ftbench.actions import (Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
+                             WaitForReplacement)
+from ftbench.engine.local import LocalEngine
+from ftbench.plan import Plan
+from ftbench.recovery_costs import SaveCost
+
+
+class LocalBackend:
+    jumps = False
+
+    def __init__(self, engine: LocalEngine, realtime: bool = True):
+        self.engine = engine
+        self.realtime = realtime  # wall clock: a replacement is really waited for
+        self._measured_persist = False
+
+    def start(self, plan: Plan) -> None:
+        self.engine.build(plan)
+
+    def run_iteration(self, plan: Plan, iteration: int) -> float:
+        self._use(plan)
+        return self.engine.run_iteration(iteration).loss
+
+    def strike(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int]) -> None:
+        self._use(plan)
+        if completed:
+            if "completed" in inspect.signature(self.engine.run_iteration).parameters:
+                self.engine.run_iteration(iteration, completed=completed)
+            else:  # TEMPORARY until the engine takes failure points
+                self.engine.run_iteration(iteration, stop_after=len(completed))
+        self.engine.destroy(dead_workers)
+        self.engine.abandon_iteration()
+
+    def perform(self, actions, old: Plan, new: Plan, iteration: int) -> int | None:
+        engine, restored = self.engine, None
+        for action in actions:
+            if isinstance(action, WaitForReplacement):
+                if self.realtime:
+                    time.sleep(action.seconds)
+            elif isinstance(action, RestartJob):
+                engine.build(new)
+            elif isinstance(action, RestoreCheckpoint):
+                restored = engine.restore(action.source, new)
+            elif isinstance(action, SyncFromPeers):
+                engine.sync_from_peers(new)
+            elif isinstance(action, Rendezvous):
+                pass  # one process: no communicators to rebuild (the modelled clock charges hardware.rendezvous_s)
+            elif isinstance(action, SaveCheckpoint):
+                engine.save(iteration, action.mode)
+                if engine.store is not None:
+                    engine.store.wait()  # a restart must not begin before the files are complete
+            else:
+                raise TypeError(f"the local backend cannot perform {action!r}")
+        self._use(new)
+        return restored
+
+    def _use(self, plan: Plan) -> None:
+        if self.engine.plan is not plan:
+            self.engine.adopt(plan)
+
+    def save(self, plan: Plan, iteration: int, mode: str) -> SaveCost:
+        self._use(plan)
+        cost = self.engine.save(iteration, mode)
+        store = self.engine.store
+        if not self._measured_persist and store is not None and store.pending is not None:
+            cost.persist_s = store.wait().seconds  # measure the background persist once, for tuning
+            self._measured_persist = True
+        return SaveCost(cost.stall_s, cost.persist_s)
+
+    def drop_checkpoints(self, iterations) -> None:
+        store = self.engine.store
+        if store is not None:
+            store.wait()
+            for iteration in iterations:
+                store.discard(iteration)
+
+    def lose_unfinished_persist(self) -> None:
+        self.engine.lose_unfinished_persist()
+
+    def check_memory(self, plan, timeline) -> None:
+        return None  # check_fits_host refused, before the run, what this machine cannot hold
+
+    def peak_memory(self) -> dict[int, float]:
+        return dict(self.engine.peak_memory)
+
+    def finish(self) -> None:
+        if self.engine.store is not None:
+            self.engine.store.wait()

@@ -1,0 +1,56 @@
+"""When scripted and timed events take effect: the one definition every backend shares.
+
+- A failure scripted "at iteration k" strikes during iteration k, at
+  `ITERATION_EVENT_FRACTION` of the plan's simulated timeline; the ops each worker has
+  completed by then are resolved once (`ftbench.sim.simulator.ops_completed_at`) and every
+  backend cuts at exactly those ops.
+- A timed failure strikes at its time. On a modelled clock (`sim`, and `local` with
+  `backend.clock=model`) that is a point inside the iteration in flight; on the wall clock it
+  is noticed at the next iteration boundary and strikes there, before any op of the next
+  iteration has run.
+- An event whose time passed while a recovery was running takes effect when that recovery
+  ends (recoveries are not interrupted), before the next iteration starts.
+- A join, the failure of a node that runs no worker of the plan, and the failure of a node
+  that is already down change no state in flight: they take effect at an iteration
+  boundary, scripted ones "at iteration k" before iteration k starts, timed ones at the
+  first boundary at or after their time.
+- Events at the same point are handled one at a time, in the order the script gives them.
+"""
+from __future__ import annotations
+
+import math
+
+from ftbench.failures import FailureEvent, FailureScript
+
+
+class EventQueue:
+    """Iteration-scripted events (a sorted list) and time-ordered ones (a lazy, maybe endless
+    iterator), consumed as the run reaches them."""
+
+    def __init__(self, script: FailureScript):
+        self.by_iteration = list(script.by_iteration)
+        self._timed = iter(script.by_time)
+        self._next_timed = next(self._timed, None)
+
+    # -- peeking ------------------------------------------------------------------------
+    def next_iteration(self) -> int | None:
+        """The iteration of the next iteration-scripted event."""
+        return self.by_iteration[0].iteration if self.by_iteration else None
+
+    def peek_scripted(self) -> FailureEvent | None:
+        return self.by_iteration[0] if self.by_iteration else None
+
+    def next_time(self) -> float:
+        """When the next timed event happens; inf when none is left."""
+        return self._next_timed.time_s if self._next_timed is not None else math.inf
+
+    def peek_timed(self) -> FailureEvent | None:
+        return self._next_timed
+
+    # -- taking -------------------------------------------------------------------------
+    def pop_scripted(self) -> FailureEvent:
+        return self.by_iteration.pop(0)
+
+    def pop_timed(self) -> FailureEvent:
+        event, self._next_timed = self._next_timed, next(self._timed, None)
+        return event

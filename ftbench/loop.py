@@ -1,0 +1,420 @@
+"""The run loop shared by every backend.
+
+It owns what is the same everywhere: taking events as the run reaches them
+(`ftbench.events` defines when each takes effect), applying membership changes (it is the
+only writer of `Cluster`; strategies see a read-only view and ask for replacements,
+standbys and reshapes through their `Recovery`), asking the strategy, periodic checkpoints
+and their interval, recovery and lost-work records, and the metrics lines.
+
+A backend implements the small protocol `Backend` and holds no loop logic: `sim` jumps over
+runs of identical iterations in closed form, `local` runs them one at a time.
+
+Two clocks: the *modelled* clock (always on `sim`; on `local` with `backend.clock=model`)
+advances by the cost model's iteration, checkpoint and recovery times, so the same failure
+script gives the same events, plans and lost work on every backend; the *wall* clock
+(`local`'s default) measures them.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ftbench.actions import SaveCheckpoint, WaitForReplacement
+from ftbench.cluster import Cluster
+from ftbench.errors import UserError
+from ftbench.events import EventQueue
+from ftbench.failures import ITERATION_EVENT_FRACTION, FailureEvent, FailureScript
+from ftbench.outcome import RunOutcome
+from ftbench.plan import Plan
+from ftbench.recovery_costs import CheckpointLedger, SaveCost, action_seconds, save_cost
+from ftbench.sim import simulator
+from ftbench.sim.simulator import SimResult
+
+CLOCKS = ("model", "wall")  # backend.clock
+
+
+class Backend(Protocol):
+    jumps: bool  # advances many identical iterations at once (no per-iteration work)
+
+    def start(self, plan: Plan) -> None:
+        """Fresh state for `plan` (the initial weights)."""
+
+    def run_iteration(self, plan: Plan, iteration: int) -> float | None:
+        """Train one whole iteration of `plan`; its loss (None where nothing is computed)."""
+
+    def strike(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int]) -> None:
+        """A failure: the ops in `completed` of `iteration` have run, then `dead_workers` lose
+        all their state and survivors drop the iteration in flight."""
+
+    def perform(self, actions: list, old: Plan, new: Plan, iteration: int) -> int | None:
+        """Carry out recovery actions and continue with `new`; the iteration restored to (None:
+        no rollback)."""
+
+    def save(self, plan: Plan, iteration: int, mode: str) -> SaveCost | None:
+        """A periodic checkpoint after `iteration` iterations; its measured cost, if measured."""
+
+    def drop_checkpoints(self, iterations: list[int]) -> None:
+        """These checkpoints were not durable when a failure struck: they are gone."""
+
+    def lose_unfinished_persist(self) -> None:
+        """Wall clock: a background persist still running when a failure strikes is lost."""
+
+    def check_memory(self, plan: Plan, timeline: SimResult) -> str | None:
+        """None when `plan` fits the workers' memory, else why not (an `oom` result)."""
+
+    def peak_memory(self) -> dict[int, float]:
+        """Peak bytes per worker over the run."""
+
+    def finish(self) -> None:
+        """The run is over: wait for anything still in the background."""
+
+
+@dataclass
+class LoopOutcome(RunOutcome):
+    losses: list[float] = field(default_factory=list)  # per iteration; nan where none was computed
+    checkpoints: int = 0
+    plan_segments: list[dict] = field(default_factory=list)  # {first, last, plan, shape} runs of iterations
+    peak_memory_bytes: dict[int, float] = field(default_factory=dict)
+    first_timeline: SimResult | None = None
+
+
+class Checkpoints:
+    """The strategy's periodic checkpoints: the interval (recomputed for every new plan, from
+    modelled or measured costs), when saves are due, and on the modelled clock when each
+    becomes durable. Runs of iterations with their checkpoints advance in closed form."""
+
+    def __init__(self, strategy, cost_model, iterations: int, log, modelled: bool):
+        self.strategy, self.cost_model, self.iterations, self.log = strategy, cost_model, iterations, log
+        self.mode = getattr(strategy, "checkpoint_mode", None)
+        self.modelled = modelled
+        self.ledger = CheckpointLedger()
+        self.every: int | None = None  # unknown until the plan's iteration time is
+        self.stall = self.persist = self.T = 0.0
+        self.measured = SaveCost(0.0, 0.0)  # wall clock: the last save's cost
+        self._plan = None
+
+    def modelled_cost(self, plan) -> SaveCost:
+        return save_cost(self.mode, plan, self.cost_model)
+
+    def use(self, plan, T: float | None) -> None:
+        """Continue with `plan`, whose iteration takes T seconds (None: not measured yet)."""
+        if T is not None:
+            self.T = T
+        if self.mode is None or plan is self._plan or T is None:
+            return
+        cost = self.modelled_cost(plan) if self.modelled else self.measured
+        self.stall, self.persist, self.T, self._plan = cost.stall_s, cost.persist_s, T, plan
+        self.every = self.strategy.checkpoint_interval(T, cost.stall_s, cost.persist_s)
+        self.log({"event": "checkpoint_interval", "every": self.every, "stall_s": cost.stall_s,
+                  "persist_s": cost.persist_s, "plan": plan.name})
+
+    def needs_measure(self, plan) -> bool:
+        return self.mode is not None and plan is not self._plan
+
+    def due(self, it: int) -> bool:
+        """A checkpoint after iteration `it` (none after the run's last iteration)."""
+        return self.mode is not None and self.every is not None and it % self.every == 0 and it < self.iterations
+
+    # -- closed form (jumping backends) --------------------------------------------------
+    def _saves(self, it: int, n: int) -> int:
+        if self.mode is None or self.every is None:
+            return 0
+        end = min(it + n, self.iterations - 1)
+        return max(end // self.every - it // self.every, 0)
+
+    def span(self, it: int, n: int) -> float:
+        return n * self.T + self._saves(it, n) * self.stall
+
+    def fit(self, it: int, t: float, t_limit: float, most: int) -> int:
+        """The most iterations (<= most) that, with their checkpoint stalls, end by t_limit."""
+        if math.isinf(t_limit):
+            return most
+        lo, hi = 0, most
+        while lo < hi:  # the span grows with n: bisect
+            mid = (lo + hi + 1) // 2
+            if t + self.span(it, mid) <= t_limit * (1 + 1e-12):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def advance(self, it: int, t: float, n: int) -> tuple[float, int, list[int]]:
+        """n iterations from (it, t): end time, checkpoints written, the newest few of them."""
+        saves = self._saves(it, n)
+        newest = []
+        if saves:
+            last = min(it + n, self.iterations - 1) // self.every * self.every
+            for k in range(max(saves - 3, 0), saves):  # the newest few are all a restore can want
+                at = last - (saves - 1 - k) * self.every
+                self.ledger.add(at, t + self.span(it, at - it) + self.persist)
+                newest.append(at)
+        return t + self.span(it, n), saves, newest
+
+
+class RunLoop:
+    def __init__(self, ctx, strategy, cluster: Cluster, script: FailureScript, backend: Backend, timelines,
+                 log, progress=None, clock: str = "model"):
+        if clock not in CLOCKS:
+            raise ValueError(f"unknown clock {clock!r}")
+        self.ctx, self.strategy, self.cluster, self.backend = ctx, strategy, cluster, backend
+        self.view = cluster.view()
+        self.timelines, self.log, self.progress = timelines, log, progress
+        self.modelled = clock == "model"
+        self.events = EventQueue(script)
+        self.out = LoopOutcome(losses=[math.nan] * ctx.iterations if not backend.jumps else [])
+        self.ckpt = Checkpoints(strategy, ctx.cost_model, ctx.iterations, log, self.modelled)
+        self.horizon = ctx.max_hours * 3600.0 if ctx.max_hours is not None else math.inf
+        self.it, self.t, self.plan = 0, 0.0, None
+        self._wall0 = time.perf_counter()
+
+    # -- clock --------------------------------------------------------------------------
+    def now(self) -> float:
+        return self.t if self.modelled else time.perf_counter() - self._wall0
+
+    # -- the loop -----------------------------------------------------------------------
+    def run(self) -> LoopOutcome:
+        out = self.out
+        self.plan = self.strategy.plan(self.view)
+        self.backend.start(self.plan)
+        self._save(0, initial=True)
+        while self.it < self.ctx.iterations and out.status == "ok":
+            if self._boundary_events():
+                continue  # membership changed: look again (more may be due, the plan may differ)
+            timeline = self.timelines(self.plan)
+            if out.first_timeline is None:
+                out.first_timeline = timeline
+            problem = self.backend.check_memory(self.plan, timeline)
+            if problem is not None:
+                out.status, out.error = "oom", problem
+                self.log({"event": "oom", "time_s": self.now(), "iteration": self.it, "reason": problem})
+                break
+            T = timeline.iteration_time
+            if T <= 0:
+                raise ValueError(f"plan {self.plan.name!r} has a zero iteration time")
+            self.ckpt.use(self.plan, T if self.modelled else None)
+            n, strike = self._next_step(T)
+            if n > 0:
+                self._advance(n, T)
+            elif strike is not None:
+                self._strike(*strike, timeline=timeline, T=T)
+            else:
+                break  # the next iteration would not finish before train.max_hours
+        self.backend.finish()
+        out.iterations, out.time_s = self.it, self.now()
+        out.peak_memory_bytes = self.backend.peak_memory()
+        return out
+
+    def _next_step(self, T: float) -> tuple[int, tuple[FailureEvent, float] | None]:
+        """(whole iterations to run before the next event, or the failure striking now)."""
+        it, t = self.it, self.now()
+        k = self.events.next_iteration()
+        limit = self.ctx.iterations - it if k is None else min(self.ctx.iterations - it, max(k - it, 0))
+        if limit == 0:  # a scripted failure strikes inside this iteration (boundary events went first)
+            return 0, (self.events.pop_scripted(), ITERATION_EVENT_FRACTION)
+        if not self.modelled:  # wall clock: one iteration at a time; timed events are seen at boundaries
+            return (1, None) if t < self.horizon else (0, None)
+        t_event = self.events.next_time()
+        n = self.ckpt.fit(it, t, min(t_event, self.horizon), limit)
+        if n > 0:
+            return n, None
+        if t_event < self.horizon and t_event < t + self.ckpt.span(it, 1):
+            if self._strikes(self.events.peek_timed()):
+                return 0, (self.events.pop_timed(), min(max((t_event - t) / T, 0.0), 1.0))
+            return 1, None  # a boundary event inside this iteration: it applies at its end
+        return 0, None
+
+    def _strikes(self, event: FailureEvent) -> bool:
+        """Whether the event interrupts the iteration in flight: the failure of a live node
+        that runs a worker of the plan."""
+        return (event.kind == "fail" and self.cluster.is_alive(event.node)
+                and event.node in set(self.plan.node_of.values()))
+
+    def _boundary_events(self) -> bool:
+        """Apply what is due at this iteration boundary; True when anything was."""
+        now = self.now()
+        timed = self.events.peek_timed()
+        if timed is not None and timed.time_s <= now:
+            event = self.events.pop_timed()
+            if self._strikes(event):  # it struck while a recovery ran, or (wall clock) during the last iteration
+                self._strike(event, 0.0, timeline=self.timelines(self.plan), T=0.0)
+            else:
+                self._apply(event)
+            return True
+        scripted = self.events.peek_scripted()
+        if scripted is not None and scripted.iteration <= self.it and not self._strikes(scripted):
+            self._apply(self.events.pop_scripted())
+            return True
+        return False
+
+    # -- iterations ---------------------------------------------------------------------
+    def _advance(self, n: int, T: float) -> None:
+        if self.backend.jumps:
+            t_end, saved, newest = self.ckpt.advance(self.it, self.t, n)
+            for at in newest:
+                self.backend.save(self.plan, at, self.ckpt.mode)
+            self.out.checkpoints += saved
+            self.log({"event": "iterations", "first": self.it, "last": self.it + n - 1, "count": n,
+                      "iteration_time_s": T, "checkpoints": saved, "time_s": t_end,
+                      "samples": (self.it + n) * self.ctx.global_batch, "plan": self.plan.name})
+            self._segment(self.it, self.it + n - 1)
+            self.it, self.t = self.it + n, t_end
+            if self.progress is not None:
+                self.progress(self.it)
+            return
+        for _ in range(n):
+            started = time.perf_counter()
+            loss = self.backend.run_iteration(self.plan, self.it)
+            measured = time.perf_counter() - started
+            if self.modelled:
+                self.t += T
+            self.out.losses[self.it] = math.nan if loss is None else loss
+            self._segment(self.it, self.it)
+            self.it += 1
+            self.log({"event": "iteration", "iteration": self.it - 1, "loss": loss, "iteration_s": measured,
+                      "time_s": self.now(), "samples": self.it * self.ctx.global_batch, "plan": self.plan.name})
+            if not self.modelled and self.ckpt.needs_measure(self.plan):
+                self.ckpt.use(self.plan, measured)
+            if self.ckpt.due(self.it):
+                self._save(self.it)
+            if self.progress is not None:
+                self.progress(self.it)
+
+    def _segment(self, first: int, last: int) -> None:
+        segments = self.out.plan_segments
+        if segments and segments[-1]["plan"] == self.plan.name and segments[-1]["last"] == first - 1:
+            segments[-1]["last"] = last
+        else:
+            segments.append({"first": first, "last": last, "plan": self.plan.name, "shape": self.plan.shape})
+
+    def _save(self, iteration: int, initial: bool = False) -> None:
+        """A checkpoint after `iteration` iterations (0: the state before training)."""
+        mode = self.ckpt.mode
+        if mode is None:
+            return
+        measured = self.backend.save(self.plan, iteration, mode)
+        if self.modelled:
+            cost = self.ckpt.modelled_cost(self.plan)
+            self.t += cost.stall_s
+            self.ckpt.ledger.add(iteration, self.t + cost.persist_s)
+        else:
+            cost = measured or SaveCost(0.0, 0.0)
+            self.ckpt.measured = cost
+        self.out.checkpoints += 1
+        if not self.backend.jumps or initial:
+            self.log({"event": "checkpoint", "iteration": iteration, "mode": mode, "stall_s": cost.stall_s,
+                      "time_s": self.now()})
+
+    # -- membership ---------------------------------------------------------------------
+    def _strike(self, event: FailureEvent, fraction: float, timeline: SimResult, T: float) -> None:
+        """A live node of the plan fails `fraction` into the iteration in flight."""
+        if self.modelled:
+            self.t += fraction * T
+        completed = _completed(timeline, fraction) if fraction > 0 else frozenset()
+        dead = [w for w, node in self.plan.node_of.items() if node == event.node]
+        self.cluster.fail(event.node)
+        self.out.failures += 1
+        self.log({"event": "fail", "node": event.node, "time_s": self.now(), "iteration": self.it})
+        self.backend.strike(self.plan, self.it, completed, dead)
+        if self.modelled:
+            lost = self.ckpt.ledger.drop_not_durable(self.now())
+            if lost:
+                self.backend.drop_checkpoints(lost)
+        else:
+            self.backend.lose_unfinished_persist()
+        self._ask_strategy(event)
+
+    def _apply(self, event: FailureEvent) -> None:
+        """A membership change that interrupts nothing (see ftbench.events)."""
+        node, cluster = event.node, self.cluster
+        if event.kind == "fail" and not cluster.is_alive(node):
+            self.log({"event": "fail", "node": node, "time_s": self.now(), "iteration": self.it,
+                      "ignored": "the node is already down"})
+            return
+        if event.kind == "join" and cluster.is_alive(node) and node < cluster.nodes:
+            self.log({"event": "join", "node": node, "time_s": self.now(), "iteration": self.it,
+                      "ignored": "the node is already up"})
+            return
+        if event.kind == "fail":
+            cluster.fail(node)
+            self.out.failures += 1
+        else:
+            cluster.join(node)
+        self.log({"event": event.kind, "node": node, "time_s": self.now(), "iteration": self.it})
+        self._ask_strategy(event)
+
+    def _ask_strategy(self, event: FailureEvent) -> None:
+        out, cluster, it = self.out, self.cluster, self.it
+        recovery = self.strategy.on_event(event, self.view, it)
+        if recovery.unrecoverable:
+            out.status, out.error = "unrecoverable", recovery.unrecoverable
+            self.log({"event": "unrecoverable", "time_s": self.now(), "iteration": it,
+                      "reason": recovery.unrecoverable})
+            return
+        actions = list(recovery.actions)
+        if recovery.replace:
+            actions.insert(0, self._replace(recovery.replace))
+        cluster.spares += len(recovery.standby)
+        if recovery.shape is not None:
+            cluster.pp, cluster.dp = recovery.shape
+        old, new = self.plan, recovery.plan or self.plan
+        down = sorted({n for n in new.node_of.values() if not cluster.is_alive(n)})
+        if down:
+            raise RuntimeError(f"strategy {self.strategy.name!r} continued after {event.kind} of node {event.node} "
+                               f"with a plan on failed node(s) {down}")
+        if not actions:
+            if new is not old:
+                self.backend.perform([], old, new, it)
+                self.plan = new
+            return
+        started, t_event = time.perf_counter(), self.now()
+        try:
+            restored = self.backend.perform(actions, old, new, it)
+        except UserError as err:
+            out.status, out.error = err.status, str(err)
+            self.log({"event": err.status, "time_s": self.now(), "iteration": it, "reason": str(err)})
+            return
+        restored = it if restored is None else restored
+        if self.modelled:
+            seconds = 0.0
+            for action in actions:
+                seconds += action_seconds(action, old, new, self.ctx.cost_model)
+                if isinstance(action, SaveCheckpoint):
+                    self.ckpt.ledger.add(it, self.t + seconds)
+            self.t += seconds
+        else:
+            seconds = time.perf_counter() - started
+        self.plan, self.it = new, restored
+        record = {"time_s": t_event, "iteration": it, "recovery_s": seconds, "lost_iterations": it - restored,
+                  "restored_iteration": restored, "actions": [type(a).__name__ for a in actions],
+                  "plan": new.name, "shape": new.shape}
+        out.recoveries.append(record)
+        self.log({"event": "recovery", **record})
+
+    def _replace(self, nodes: tuple[int, ...]) -> WaitForReplacement:
+        """Failed nodes get replacements: a standby at once while any is left, else a new
+        node after `cluster.replacement_s`. The replacement takes the failed node's place."""
+        wait = 0.0
+        for node in nodes:
+            if self.cluster.spares > 0:
+                self.cluster.spares -= 1
+            else:
+                wait = self.cluster.replacement_s
+            self.cluster.join(node)
+        return WaitForReplacement(tuple(nodes), wait)
+
+
+def run_loop(ctx, strategy, cluster: Cluster, script: FailureScript, backend: Backend, timelines, log,
+             progress=None, clock: str = "model") -> LoopOutcome:
+    """Drive `strategy` through `script` on `backend`; `log(record)` gets every metrics line."""
+    return RunLoop(ctx, strategy, cluster, script, backend, timelines, log, progress, clock).run()
+
+
+def _completed(timeline: SimResult, fraction: float) -> frozenset:
+    # TEMPORARY until simulator.ops_completed_at lands
+    fn = getattr(simulator, "ops_completed_at", None)
+    if fn is not None:
+        return fn(timeline, fraction)
+    cut = fraction * timeline.iteration_time
+    return frozenset(op for _, op, s, e in timeline.ops if e <= cut and op.kind != "OPT")

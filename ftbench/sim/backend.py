@@ -1,0 +1,67 @@
+"""The `sim` backend: nothing runs, time is the cost model's (ftbench.loop charges it).
+
+It keeps which checkpoints exist (their iterations) and the peak memory of every plan,
+and turns a plan that does not fit the GPUs' memory into an `oom` result.
+"""
+from __future__ import annotations
+
+from ftbench.actions import RestoreCheckpoint, SaveCheckpoint
+from ftbench.plan import Plan
+from ftbench.sim.simulator import SimResult
+
+
+class SimBackend:
+    jumps = True
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.saved: list[int] = []  # iterations of the checkpoints that exist (newest few)
+        self._peak: dict[int, float] = {}
+
+    def start(self, plan: Plan) -> None:
+        self.saved = []
+
+    def run_iteration(self, plan: Plan, iteration: int) -> None:
+        return None
+
+    def strike(self, plan, iteration, completed, dead_workers) -> None:
+        pass  # the lost work is the time the loop already charged
+
+    def perform(self, actions, old: Plan, new: Plan, iteration: int) -> int | None:
+        restored = None
+        for action in actions:
+            if isinstance(action, SaveCheckpoint):
+                self.save(old, iteration, action.mode)
+            elif isinstance(action, RestoreCheckpoint):
+                # The newest checkpoint (0: the initial state, re-created from the seed); later
+                # ones cannot exist, they would belong to the abandoned timeline.
+                restored = max(self.saved, default=0)
+                self.saved = [i for i in self.saved if i <= restored]
+        return restored
+
+    def save(self, plan, iteration: int, mode: str) -> None:
+        self.saved = sorted(set(self.saved[-3:]) | {iteration})
+
+    def drop_checkpoints(self, iterations) -> None:
+        self.saved = [i for i in self.saved if i not in set(iterations)]
+
+    def lose_unfinished_persist(self) -> None:
+        pass
+
+    def check_memory(self, plan: Plan, result: SimResult) -> str | None:
+        for w, peak in result.peak_memory_bytes.items():
+            self._peak[w] = max(self._peak.get(w, 0.0), peak)
+        worker, peak = max(result.peak_memory_bytes.items(), key=lambda kv: kv[1])
+        if peak <= self.ctx.cost_model.memory_bytes:
+            return None
+        act = result.peak_activation_bytes[worker]
+        hw = self.ctx.hardware
+        return (f"out of memory: worker {worker} needs {peak / 1e9:.1f} GB (weights, gradients and Adam state "
+                f"{(peak - act) / 1e9:.1f} GB + stashed activations {act / 1e9:.1f} GB) but hardware={hw.name} has "
+                f"{hw.memory_gb:g} GB; raise cluster.pp, lower train.microbatch_size or pick a larger GPU")
+
+    def peak_memory(self) -> dict[int, float]:
+        return dict(self._peak)
+
+    def finish(self) -> None:
+        pass
