@@ -281,12 +281,13 @@ class RunLoop:
             if self.progress is not None:
                 self.progress(self.it)
 
-    def _segment(self, first: int, last: int) -> None:
+    def _segment(self, first: int, final: int) -> None:
         segments = self.out.plan_segments
-        if segments and segments[-1]["plan"] == self.plan.name and segments[-1]["last"] == first - 1:
-            segments[-1]["last"] = last
+        last = segments[-1] if segments else None
+        if last and (last["plan"], last["shape"], last["last"]) == (self.plan.name, self.plan.shape, first - 1):
+            last["last"] = final
         else:
-            segments.append({"first": first, "last": last, "plan": self.plan.name, "shape": self.plan.shape})
+            segments.append({"first": first, "last": final, "plan": self.plan.name, "shape": self.plan.shape})
 
     def _save(self, iteration: int, initial: bool = False) -> None:
         """A checkpoint after `iteration` iterations (0: the state before training)."""

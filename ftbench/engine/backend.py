@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import time
 
-from ftbench.actions import (Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
+from ftbench.actions import (MEMORY, Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
                              WaitForReplacement)
 from ftbench.engine.local import LocalEngine
 from ftbench.plan import Plan
@@ -52,6 +52,10 @@ class LocalBackend:
                 engine.build(new)
             elif isinstance(action, RestoreCheckpoint):
                 restored = engine.restore(action.source, new)
+                if action.source == MEMORY:
+                    # What a worker restored is its commit now: a worker that took another
+                    # stage in a reshape would otherwise hold none until the next commit.
+                    engine.save(restored, MEMORY)
             elif isinstance(action, SyncFromPeers):
                 engine.sync_from_peers(new)
             elif isinstance(action, Rendezvous):

@@ -1,0 +1,79 @@
+"""Backends agree: the same failure script gives the same events, recovery actions, restored
+iterations, lost work and plans (name and shape of every iteration) on `sim` and on `local`.
+
+`local` runs on the modelled clock here (`backend.clock=model`), so time-based events strike
+at the same simulated instant as on `sim`; everything else (failure points, membership,
+checkpoints, the strategy's decisions) is the shared run loop's, whichever clock runs.
+"""
+import pytest
+
+from conftest import run
+from ftbench.metrics import read_metrics
+
+STRATEGIES = ["none", "checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle"]
+
+# gpt-tiny, pp=2 x dp=3, one GPU per node: node = pipeline * 2 + stage.
+SETUP = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=3", "train.iterations=8", "train.microbatches=2",
+         "cluster.replacement_s=0.2", "report.gantt=false", "report.check_fault_free=false")
+EVERY = {"checkpoint": ("strategy.every=2",), "checkfreq": ("strategy.every=2",),
+         "elastic-horovod": ("strategy.every=2",), "varuna": ("strategy.every=2",),
+         "recycle": ("strategy.fallback=checkpoint", "strategy.every=2", "strategy.plan_cache=null")}
+
+
+def _events(*events) -> str:
+    body = ",".join("{" + ",".join(f"{k}:{v}" for k, v in e.items()) + "}" for e in events)
+    return f"failures.events=[{body}]"
+
+
+def _scripts(T: float, first_recovery: tuple[float, float]) -> dict:
+    """The scripts; T is one fault-free iteration's simulated time, `first_recovery` the
+    (time, duration) of the recovery from the first failure of "one failure"."""
+    t_fail, recovery_s = first_recovery
+    return {
+        "one failure": ((), [dict(iteration=3, node=3)]),
+        "two in one iteration": ((), [dict(iteration=3, node=1), dict(iteration=3, node=4)]),
+        "two in one stage": ((), [dict(iteration=2, node=1), dict(iteration=5, node=3)]),
+        "failure then join": ((), [dict(iteration=2, node=3), dict(iteration=5, node=3, kind="join")]),
+        "time-based failure": ((), [dict(time_s=4.37 * T, node=2)]),
+        "standby used up": (("cluster.spares=1",), [dict(iteration=2, node=0), dict(iteration=4, node=5)]),
+        "reshape and grow back": ((), [dict(iteration=2, node=4), dict(iteration=2, node=5),
+                                       dict(iteration=4, node=4, kind="join"), dict(iteration=4, node=5, kind="join")]),
+        "failure during recovery": ((), [dict(iteration=3, node=3),
+                                         dict(time_s=t_fail + 0.5 * max(recovery_s, 1e-9), node=0)]),
+        "already down, idle and new nodes": (("cluster.nodes=7",), [
+            dict(iteration=1, node=6), dict(iteration=2, node=1), dict(iteration=3, node=1),
+            dict(iteration=5, node=9, kind="join")]),
+    }
+
+
+def _trace(run_dir, summary) -> dict:
+    events = [(r["event"], r.get("node"), r.get("iteration"), r.get("ignored"))
+              for r in read_metrics(run_dir / "metrics.jsonl") if r["event"] in ("fail", "join", "unrecoverable")]
+    recoveries = [(r["iteration"], tuple(r["actions"]), r["restored_iteration"], r["lost_iterations"], r["plan"],
+                   r["shape"]) for r in summary["recoveries"]]
+    return {"status": summary["status"], "iterations": summary["iterations"], "failures": summary["failures"],
+            "events": events, "recoveries": recoveries, "plans": summary["plan_segments"]}
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    base = tmp_path_factory.mktemp("calibrate")
+    free = run(base / "free", "backend=sim", "strategy=none", "failures=none", *SETUP)
+    one = run(base / "one", "backend=sim", "strategy=checkpoint", "strategy.every=2", "failures=scripted",
+              _events(dict(iteration=3, node=3)), *SETUP)
+    r = one["recoveries"][0]
+    return _scripts(free["iteration_time_s"], (r["time_s"], r["recovery_s"]))
+
+
+@pytest.mark.parametrize("script", list(_scripts(1.0, (1.0, 1.0))))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sim_and_local_agree(tmp_path, scripts, strategy, script):
+    setup, events = scripts[script]
+    overrides = (f"strategy={strategy}", *EVERY.get(strategy, ()), *SETUP, *setup, "failures=scripted",
+                 _events(*events))
+    sim = run(tmp_path / "sim", "backend=sim", *overrides)
+    local = run(tmp_path / "local", "backend=local", "backend.clock=model", *overrides)
+    assert sim["status"] != "error", sim["error"]
+    assert _trace(tmp_path / "local", local) == _trace(tmp_path / "sim", sim)
+    if strategy != "none" and script != "two in one stage":
+        assert sim["failures"] >= 1 and sim["status"] == "ok", sim["error"]
