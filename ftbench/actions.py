@@ -1,19 +1,38 @@
 """Recovery actions: what a strategy asks a backend to do, as data.
 
-A strategy never touches state or time itself. It returns these; the `sim` backend charges
-their modelled cost (ftbench/sim/actions.py) and the `local` backend performs them for real
-(ftbench/engine/local.py). That is what keeps a strategy's simulated and real behaviour the
-same mechanism.
+A strategy never touches state or time itself. It returns these; the modelled clock charges
+their cost (ftbench/recovery_costs.py) and the `local` backend performs them for real
+(ftbench/engine/backend.py). That is what keeps a strategy's simulated and real behaviour the
+same mechanism. An action that moves state between workers names every copy (`Transfer`:
+which layers, from which worker, to which, how many bytes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ftbench.plan import LayerRange
 
 # Where a checkpoint lives.
 FILE = "file"  # real files on storage, loaded after a restart (checkpoint restart, Varuna)
 SNAPSHOT = "snapshot"  # two-phase: copy to host memory (stall), persist to files in the background (CheckFreq)
 MEMORY = "memory"  # in-memory commit on each worker; gone with the worker (Elastic Horovod)
 CHECKPOINT_MODES = (FILE, SNAPSHOT, MEMORY)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One copy of a replica's state (weights and optimizer state) between workers."""
+    layers: LayerRange  # transformer blocks [first, end)
+    embedding: bool  # with the token/position embeddings (a first stage)
+    head: bool  # with the final LayerNorm and LM head (a last stage)
+    src: int  # worker that sends
+    dst: int  # worker that receives
+    nbytes: float  # checkpointed bytes moved (ftbench.recovery_costs.CHECKPOINT_BYTES_PER_PARAM per parameter)
+
+    def __str__(self) -> str:
+        parts = (["embedding"] if self.embedding else []) + [f"blocks {self.layers[0]}-{self.layers[1] - 1}"] \
+            + (["head"] if self.head else [])
+        return f"{' + '.join(parts)}: worker {self.src} -> {self.dst} ({self.nbytes / 1e6:.3g} MB)"
 
 
 @dataclass(frozen=True)
@@ -37,8 +56,10 @@ class RestartJob:
 @dataclass(frozen=True)
 class RestoreCheckpoint:
     """Roll back to the newest usable checkpoint of this kind (`FILE` also finds persisted
-    snapshots). The backend reports which iteration it restored, hence the lost work."""
+    snapshots). The backend reports which iteration it restored, hence the lost work. With
+    `MEMORY`, `copies` name the commits that workers taking a new place get from a peer."""
     source: str = FILE
+    copies: tuple[Transfer, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,5 +69,10 @@ class Rendezvous:
 
 @dataclass(frozen=True)
 class SyncFromPeers:
-    """Workers that join receive the current weights and optimizer state of their stage from a
-    surviving replica (Elastic Horovod's state sync); nothing is rolled back."""
+    """Workers that join (or take a new place) receive the current weights and optimizer state
+    of their layers from a surviving replica, as `copies` name; nothing is rolled back."""
+    copies: tuple[Transfer, ...] = ()
+
+
+# Every recovery action; a backend must handle each (tests/test_actions.py checks).
+ACTIONS = (SaveCheckpoint, WaitForReplacement, RestartJob, RestoreCheckpoint, Rendezvous, SyncFromPeers)

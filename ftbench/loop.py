@@ -390,6 +390,10 @@ class RunLoop:
         record = {"time_s": t_event, "iteration": it, "recovery_s": seconds, "lost_iterations": it - restored,
                   "restored_iteration": restored, "actions": [type(a).__name__ for a in actions],
                   "plan": new.name, "shape": new.shape}
+        copies = [c for a in actions for c in getattr(a, "copies", ())]
+        if copies:  # what moved between workers: layers, from, to, bytes
+            record["copies"] = [{"layers": list(c.layers), "embedding": c.embedding, "head": c.head, "src": c.src,
+                                 "dst": c.dst, "bytes": c.nbytes} for c in copies]
         out.recoveries.append(record)
         self.log({"event": "recovery", **record})
 

@@ -83,20 +83,20 @@ def action_seconds(action, old: Plan, new: Plan, cost_model) -> float:
         return cost.stall_s + cost.persist_s  # before a restart the persist must finish
     if isinstance(action, RestoreCheckpoint):
         if action.source == MEMORY:
-            # Each worker copies its commit back; one taking a stage it did not hold gets it from a peer.
+            # Each worker copies its commit back; one taking a new place gets a peer's commit.
             seconds = max(_replica_bytes(new, cost_model).values()) / (hw.host_gbps * 1e9)
-            return seconds + _peer_copy_s(old, new, cost_model)
+            return seconds + _copies_s(action.copies, old, new, cost_model)
         return max(_node_bytes(new, cost_model).values()) / (hw.storage_gbps * 1e9)
     if isinstance(action, SyncFromPeers):
-        return _peer_copy_s(old, new, cost_model)
-    raise TypeError(f"the simulator has no cost for {action!r}")
+        return _copies_s(action.copies, old, new, cost_model)
+    raise TypeError(f"the cost model has no cost for {action!r}")
 
 
-def _peer_copy_s(old: Plan, new: Plan, cost_model) -> float:
-    """Workers of `new` that hold stages they did not hold in `old` receive them over the network."""
-    moved = [b for w, b in _replica_bytes(new, cost_model).items()
-             if {s for _, s in new.holds[w]} != {s for _, s in old.holds.get(w, ())}]
-    return max(moved) / (cost_model.hw.inter_node_gbps * 1e9) if moved else 0.0
+def _copies_s(copies, old: Plan, new: Plan, cost_model) -> float:
+    from ftbench.transfers import transfer_seconds  # transfers builds on this module's byte counts
+
+    node_of = {**old.node_of, **new.node_of}
+    return transfer_seconds(copies, node_of.__getitem__, cost_model)
 
 
 class CheckpointLedger:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from ftbench.actions import MEMORY, Rendezvous, RestoreCheckpoint, SyncFromPeers
 from ftbench.cluster import Cluster
 from ftbench.failures import FailureEvent
+from ftbench.transfers import peer_copies
 from strategies.base import Recovery
 from strategies.checkpoint import CheckpointRestart
 
@@ -48,7 +49,10 @@ class ElasticHorovod(CheckpointRestart):
         if dp == 0:
             return Recovery(unrecoverable=f"only {len(alive)} workers survive, fewer than one pipeline of "
                             f"pp={pp} stages; elastic-horovod cannot shrink below one pipeline")
-        return Recovery(actions=[Rendezvous(), RestoreCheckpoint(MEMORY)], plan=self._reshape(cluster, alive[:dp * pp]))
+        old = self.current
+        new = self._reshape(cluster, alive[:dp * pp])
+        copies = peer_copies(old, new, lambda w: cluster.is_alive(cluster.node_of(w)), self.ctx.cost_model)
+        return Recovery(actions=[Rendezvous(), RestoreCheckpoint(MEMORY, copies)], plan=new)
 
     def on_join(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         pp, dp = cluster.pp, len(self.placement) // cluster.pp
@@ -57,5 +61,7 @@ class ElasticHorovod(CheckpointRestart):
         if grow <= 0:
             return Recovery()
         # Workers in place keep their stages; the new pipelines are synced from them.
+        old = self.current
         plan = self._reshape(cluster, self.placement + idle[:grow * pp])
-        return Recovery(actions=[Rendezvous(), SyncFromPeers()], plan=plan)
+        copies = peer_copies(old, plan, lambda w: cluster.is_alive(cluster.node_of(w)), self.ctx.cost_model)
+        return Recovery(actions=[Rendezvous(), SyncFromPeers(copies)], plan=plan)

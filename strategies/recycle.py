@@ -35,6 +35,7 @@ from ftbench.plan import Plan, holds_from_schedule
 from ftbench.planning.library import METHODS, PlanLibrary, forms_up_to
 from ftbench.planning.problem import normalise, problem_for
 from ftbench.schedule import NO_MICROBATCH, OPT, Op, Schedule, grid_worker
+from ftbench.transfers import peer_copies
 from strategies.base import Recovery
 from strategies.checkpoint import CheckpointRestart
 
@@ -135,9 +136,10 @@ class ReCycle(CheckpointRestart):
         if not back:
             return Recovery()  # a node that held nothing: nothing changes
         self.failed -= back
-        self.current = self._plan_for(cluster)
+        old, self.current = self.current, self._plan_for(cluster)
         # The returning workers copy their stage's weights and optimizer state from a peer.
-        return Recovery(actions=[Rendezvous(), SyncFromPeers()], plan=self.current)
+        copies = peer_copies(old, self.current, lambda w: cluster.is_alive(cluster.node_of(w)), self.ctx.cost_model)
+        return Recovery(actions=[Rendezvous(), SyncFromPeers(copies)], plan=self.current)
 
     def on_event(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         if event.kind == "join":

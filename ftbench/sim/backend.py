@@ -5,9 +5,13 @@ and turns a plan that does not fit the GPUs' memory into an `oom` result.
 """
 from __future__ import annotations
 
-from ftbench.actions import RestoreCheckpoint, SaveCheckpoint
+from ftbench.actions import Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers, WaitForReplacement
 from ftbench.plan import Plan
 from ftbench.sim.simulator import SimResult
+
+
+# Actions whose whole effect here is the time the modelled clock charges for them.
+TIME_ONLY = (WaitForReplacement, RestartJob, Rendezvous, SyncFromPeers)
 
 
 class SimBackend:
@@ -37,6 +41,8 @@ class SimBackend:
                 # ones cannot exist, they would belong to the abandoned timeline.
                 restored = max(self.saved, default=0)
                 self.saved = [i for i in self.saved if i <= restored]
+            elif not isinstance(action, TIME_ONLY):
+                raise TypeError(f"the sim backend cannot perform {action!r}")
         return restored
 
     def save(self, plan, iteration: int, mode: str) -> None:
