@@ -1,14 +1,17 @@
 """Workers, nodes and membership.
 
 A worker is one GPU; a node holds `gpus_per_node` workers and fails as a whole. On the
-regular grid worker = pipeline * pp + stage and node = worker // gpus_per_node, so with one
-GPU per node the node id is the worker id. Nodes past the grid's need are idle standbys.
+regular grid worker = pipeline * pp + stage; which node holds it is the placement's choice
+(ftbench.placement), so with one GPU per node the node id is the worker id. Nodes past the
+grid's need are idle standbys.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ftbench import placement
 from ftbench.errors import ConfigError
+from ftbench.placement import PLACEMENTS
 
 
 @dataclass
@@ -19,11 +22,13 @@ class Cluster:
     nodes: int
     spares: int
     replacement_s: float
+    placement: str = "pipeline"  # ftbench.placement.PLACEMENTS
     alive: set[int] = field(default_factory=set)  # empty: every node starts alive
 
     def __post_init__(self):
         if not self.alive:
             self.alive = set(range(self.nodes))
+        self.layout = (self.pp, self.dp)  # the configured grid fixes where workers sit
 
     @classmethod
     def from_config(cls, cfg) -> "Cluster":
@@ -36,17 +41,25 @@ class Cluster:
         if nodes * cfg.gpus_per_node < grid:
             raise ConfigError("cluster.nodes", f"{nodes} nodes of {cfg.gpus_per_node} GPUs cannot hold "
                               f"pp*dp = {grid} workers", f"set cluster.nodes >= {-(-grid // cfg.gpus_per_node)}")
-        return cls(cfg.pp, cfg.dp, cfg.gpus_per_node, nodes, cfg.spares, cfg.replacement_s)
+        placement = cfg.get("placement", "pipeline") if hasattr(cfg, "get") else cfg.placement
+        if placement not in PLACEMENTS:
+            raise ConfigError("cluster.placement", f"unknown option '{placement}'",
+                              f"choose one of {', '.join(PLACEMENTS)}")
+        if placement == "stage" and cfg.dp % cfg.gpus_per_node:
+            raise ConfigError("cluster.placement", f"stage placement puts one stage of {cfg.gpus_per_node} pipelines "
+                              f"on each node, but dp={cfg.dp} pipelines do not fill whole nodes",
+                              "choose cluster.dp divisible by cluster.gpus_per_node, or cluster.placement=pipeline")
+        return cls(cfg.pp, cfg.dp, cfg.gpus_per_node, nodes, cfg.spares, cfg.replacement_s, placement)
 
     @property
     def workers(self) -> int:
         return self.nodes * self.gpus_per_node
 
     def node_of(self, worker: int) -> int:
-        return worker // self.gpus_per_node
+        return placement.node_of(worker, *self.layout, self.gpus_per_node, self.placement)
 
     def workers_on(self, node: int) -> list[int]:
-        return list(range(node * self.gpus_per_node, (node + 1) * self.gpus_per_node))
+        return placement.workers_on(node, *self.layout, self.gpus_per_node, self.placement)
 
     def is_alive(self, node: int) -> bool:
         return node in self.alive
@@ -68,7 +81,7 @@ class ClusterView:
     asks for changes through its `Recovery` (replace, standby, shape); the run loop applies
     them, so membership has one writer."""
 
-    _READ = ("pp", "dp", "gpus_per_node", "nodes", "spares", "replacement_s", "workers")
+    _READ = ("pp", "dp", "gpus_per_node", "nodes", "spares", "replacement_s", "workers", "placement", "layout")
 
     def __init__(self, cluster: Cluster):
         object.__setattr__(self, "_cluster", cluster)

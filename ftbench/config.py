@@ -55,6 +55,7 @@ class ClusterConfig:
     gpus_per_node: int = 1  # GPUs (workers) per node; a node failure takes all of them
     spares: int = 0  # standby nodes that can replace failed ones
     replacement_s: float = 45.0  # time for a replacement node to come up, s
+    placement: str = "pipeline"  # pipeline (a node holds consecutive stages of one pipeline) | stage (one stage of gpus_per_node pipelines)
 
 
 @dataclass

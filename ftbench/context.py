@@ -66,12 +66,12 @@ class RunContext:
                    global_batch=global_batch, iterations=t.iterations, max_hours=t.max_hours,
                    seed=cfg.seed, node_mtbf_hours=cfg.failures.mtbf_hours)
 
-    def grid_plan(self, pp: int, dp: int, gpus_per_node: int = 1, schedule: str | None = None) -> Plan:
+    def grid_plan(self, pp: int, dp: int, gpus_per_node: int = 1, schedule: str | None = None, node_of=None) -> Plan:
         """The regular grid under the configured (or given) schedule, layers balanced over stages.
         With a dp other than the configured one, the global batch is kept: its micro-batches
         are split over the dp pipelines as evenly as they go."""
         sched = generate(schedule or self.schedule_name, pp, self.split_microbatches(dp), dp)
-        return grid_plan(sched, self.cost_model.balanced_partition(pp), pp, gpus_per_node)
+        return grid_plan(sched, self.cost_model.balanced_partition(pp), pp, gpus_per_node, node_of=node_of)
 
     def split_microbatches(self, dp: int) -> tuple[int, ...]:
         """The global batch's micro-batches over dp pipelines (the first ones take one more)."""

@@ -68,13 +68,15 @@ def holds_from_schedule(schedule: Schedule) -> dict[int, tuple[tuple[int, int], 
 
 
 def grid_plan(schedule: Schedule, stage_layers: tuple[LayerRange, ...], pp: int,
-              gpus_per_node: int, name: str = "") -> Plan:
-    """The regular pp x dp grid: worker = pipeline * pp + stage, node = worker // gpus_per_node."""
+              gpus_per_node: int, name: str = "", node_of=None) -> Plan:
+    """The regular pp x dp grid: worker = pipeline * pp + stage, on the node `node_of(worker)`
+    gives (default: the pipeline placement, node = worker // gpus_per_node)."""
     dp = len(schedule.stages)
     workers = [grid_worker(d, s, pp) for d in range(dp) for s in range(pp)]
     return Plan(schedule=schedule, partition=(stage_layers,) * dp,
                 holds=holds_from_schedule(schedule),
-                node_of={w: w // gpus_per_node for w in workers}, name=name or schedule.name)
+                node_of={w: node_of(w) if node_of else w // gpus_per_node for w in workers},
+                name=name or schedule.name)
 
 
 def checkpoint_writers(plan: Plan) -> dict[int, int]:

@@ -49,7 +49,7 @@ class CheckpointRestart:
 
     # -- plan ---------------------------------------------------------------------------
     def plan(self, cluster: Cluster) -> Plan:
-        self.current = self.ctx.grid_plan(cluster.pp, cluster.dp, cluster.gpus_per_node)
+        self.current = self.ctx.grid_plan(cluster.pp, cluster.dp, cluster.gpus_per_node, node_of=cluster.node_of)
         return self.current
 
     def nodes_in_use(self) -> set[int]:

@@ -19,7 +19,7 @@ class NoFaultTolerance:
         self.ctx = ctx
 
     def plan(self, cluster: Cluster) -> Plan:
-        return self.ctx.grid_plan(cluster.pp, cluster.dp, cluster.gpus_per_node)
+        return self.ctx.grid_plan(cluster.pp, cluster.dp, cluster.gpus_per_node, node_of=cluster.node_of)
 
     def on_event(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         in_use = any(w < cluster.pp * cluster.dp for w in cluster.workers_on(event.node))

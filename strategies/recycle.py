@@ -76,9 +76,9 @@ class ReCycle(CheckpointRestart):
     def plan(self, cluster: Cluster) -> Plan:
         self.cluster = cluster
         base = problem_for(self.ctx, cluster.pp, cluster.dp, cluster.gpus_per_node,
-                           decoupled=self.level != "reroute")
+                           decoupled=self.level != "reroute", placement=cluster.placement)
         self.library = PlanLibrary(base, self.planner, self.cfg.milp_time_limit_s, self.cfg.plan_cache)
-        forms = forms_up_to(self.cfg.plan_ahead, cluster.pp, cluster.dp, cluster.gpus_per_node)
+        forms = forms_up_to(self.cfg.plan_ahead, cluster.pp, cluster.dp, cluster.gpus_per_node, cluster.placement)
         self.library.precompute(forms)
         self.planned_ahead = len(forms)
         self.current = self._plan_for(cluster)

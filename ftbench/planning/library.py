@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ftbench.placement import node_of, workers_on
 from ftbench.planning.heuristic import list_schedule
 from ftbench.planning.problem import (PlanningError, PlanningProblem, Position, canonical_failed, evaluate,
                                       normalise)
@@ -97,18 +98,21 @@ class PlanLibrary:
                 progress()
 
 
-def forms_up_to(threshold: int, pp: int, dp: int, gpus_per_node: int) -> list:
+def forms_up_to(threshold: int, pp: int, dp: int, gpus_per_node: int, placement: str = "pipeline") -> list:
     """Normal forms of every configuration of at most `threshold` failed nodes in which each
     stage keeps a replica. Up to renaming pipelines, such a configuration fits in the first
     few pipelines, so only nodes there are combined (not all C(nodes, k) sets)."""
-    span = threshold * (math.ceil(gpus_per_node / pp) + 1) + math.lcm(pp, gpus_per_node) // pp
+    g = gpus_per_node
+    if placement == "stage":  # a node spans g pipelines at one stage
+        span = (threshold + 1) * g
+    else:
+        span = threshold * (math.ceil(g / pp) + 1) + math.lcm(pp, g) // pp
     pipelines = min(dp, span)
-    nodes = sorted({(d * pp + s) // gpus_per_node for d in range(pipelines) for s in range(pp)})
+    nodes = sorted({node_of(d * pp + s, pp, dp, g, placement) for d in range(pipelines) for s in range(pp)})
     forms = {normalise(set(), dp, pp)[0]}
     for k in range(1, threshold + 1):
         for combo in itertools.combinations(nodes, k):
-            failed = {divmod(w, pp) for n in combo for w in range(n * gpus_per_node, (n + 1) * gpus_per_node)
-                      if w < dp * pp}
+            failed = {divmod(w, pp) for n in combo for w in workers_on(n, pp, dp, g, placement) if w < dp * pp}
             if all(any((d, s) not in failed for d in range(dp)) for s in range(pp)):
                 forms.add(normalise(failed, dp, pp)[0])
     return sorted(forms, key=lambda f: (sum(map(len, f)), f))

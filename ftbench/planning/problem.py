@@ -18,6 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
+from ftbench.placement import node_of
 from ftbench.schedule import B, BW, F, NO_MICROBATCH, OPT, W, Op, Schedule, grid_worker
 
 Position = tuple[int, int]  # (pipeline, stage) on the grid
@@ -51,6 +52,7 @@ class PlanningProblem:
     intra_node_s: float = 0.0  # boundary send between workers on one node
     inter_node_s: float = 0.0  # boundary send between nodes
     gpus_per_node: int = 1
+    placement: str = "pipeline"  # ftbench.placement: which node holds each position
 
     def __post_init__(self):
         object.__setattr__(self, "failed", frozenset(tuple(p) for p in self.failed))
@@ -73,7 +75,7 @@ class PlanningProblem:
         return [(d, s) for d in range(self.dp) for s in range(self.pp) if (d, s) not in self.failed]
 
     def node(self, pos: Position) -> int:
-        return grid_worker(pos[0], pos[1], self.pp) // self.gpus_per_node
+        return node_of(grid_worker(pos[0], pos[1], self.pp), self.pp, self.dp, self.gpus_per_node, self.placement)
 
     def transfer_s(self, src: Position, dst: Position) -> float:
         if src == dst:
@@ -160,6 +162,8 @@ class PlanningProblem:
     def key(self) -> str:
         """Everything a plan depends on, hashed: the on-disk cache key."""
         data = asdict(self)
+        if data["placement"] == "pipeline":
+            del data["placement"]  # keys from before placement was a setting stay valid
         data["failed"] = sorted(self.failed)
         data["version"] = PLANNER_VERSION
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:24]
@@ -228,11 +232,11 @@ def stage_times(cost_model, partition, dp: int) -> tuple[StageTimes, ...]:
     return tuple(out)
 
 
-def problem_for(ctx, pp: int, dp: int, gpus_per_node: int, failed=frozenset(), decoupled: bool = True
-                ) -> PlanningProblem:
+def problem_for(ctx, pp: int, dp: int, gpus_per_node: int, failed=frozenset(), decoupled: bool = True,
+                placement: str = "pipeline") -> PlanningProblem:
     """The planning problem of a run's grid (ftbench.context.RunContext) under `failed`."""
     model = ctx.cost_model
     return PlanningProblem(pp=pp, dp=dp, microbatches=ctx.microbatches,
                            stages=stage_times(model, model.balanced_partition(pp), dp), failed=frozenset(failed),
                            decoupled=decoupled, intra_node_s=model.boundary_s(True),
-                           inter_node_s=model.boundary_s(False), gpus_per_node=gpus_per_node)
+                           inter_node_s=model.boundary_s(False), gpus_per_node=gpus_per_node, placement=placement)
