@@ -37,6 +37,7 @@ CLOCKS = ("model", "wall")  # backend.clock
 
 class Backend(Protocol):
     jumps: bool  # advances many identical iterations at once (no per-iteration work)
+    cuts_ops: bool  # runs ops, so a failure must be cut at the resolved ones (sim only charges time)
 
     def start(self, plan: Plan) -> None:
         """Fresh state for `plan` (the initial weights)."""
@@ -167,6 +168,7 @@ class RunLoop:
         self.ckpt = Checkpoints(strategy, ctx.cost_model, ctx.iterations, log, self.modelled)
         self.horizon = ctx.max_hours * 3600.0 if ctx.max_hours is not None else math.inf
         self.it, self.t, self.plan = 0, 0.0, None
+        self._points: dict = {}
         self._wall0 = time.perf_counter()
 
     # -- clock --------------------------------------------------------------------------
@@ -312,7 +314,7 @@ class RunLoop:
         """A live node of the plan fails `fraction` into the iteration in flight."""
         if self.modelled:
             self.t += fraction * T
-        completed = _completed(timeline, fraction) if fraction > 0 else frozenset()
+        completed = self._point(timeline, fraction) if fraction > 0 and self.backend.cuts_ops else frozenset()
         dead = [w for w, node in self.plan.node_of.items() if node == event.node]
         self.cluster.fail(event.node)
         self.out.failures += 1
@@ -325,6 +327,14 @@ class RunLoop:
         else:
             self.backend.lose_unfinished_persist()
         self._ask_strategy(event)
+
+    def _point(self, timeline: SimResult, fraction: float) -> frozenset:
+        """The ops completed `fraction` into the timeline, resolved once per (timeline, fraction)."""
+        key = (id(timeline), fraction)
+        hit = self._points.get(key)
+        if hit is None or hit[0] is not timeline:
+            hit = self._points[key] = (timeline, _completed(timeline, fraction))
+        return hit[1]
 
     def _apply(self, event: FailureEvent) -> None:
         """A membership change that interrupts nothing (see ftbench.events)."""

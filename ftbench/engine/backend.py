@@ -19,6 +19,7 @@ from ftbench.recovery_costs import SaveCost
 
 class LocalBackend:
     jumps = False
+    cuts_ops = True
 
     def __init__(self, engine: LocalEngine, realtime: bool = True):
         self.engine = engine

@@ -16,6 +16,7 @@ TIME_ONLY = (WaitForReplacement, RestartJob, Rendezvous, SyncFromPeers)
 
 class SimBackend:
     jumps = True
+    cuts_ops = False
 
     def __init__(self, ctx):
         self.ctx = ctx
