@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ftbench.layers import GradientSync, Units
 from ftbench.plan import LayerRange, Plan
 from ftbench.schedule import B, BW, F, OPT, W, Op
 from models.specs import ModelSpec
@@ -66,6 +67,18 @@ class CostModel:
             wstash += spec.boundary_bytes(b, s)
         return StageCost(f / self.flop_rate, bi / self.flop_rate, bw / self.flop_rate,
                          params, act, wstash)
+
+    def unit_params(self, units: Units) -> int:
+        """Parameters in a range of units (ftbench.layers: 0 embeddings, 1..L blocks, L+1 head);
+        a stage's units hold exactly `stage(...).params`."""
+        spec, (lo, hi) = self.spec, units
+        blocks = max(0, min(hi, spec.layers + 1) - max(lo, 1))
+        params = blocks * spec.layer_params
+        if lo == 0:
+            params += spec.embedding_params
+        if hi == spec.layers + 2:
+            params += spec.head_params + spec.vocab * spec.hidden
+        return params
 
     def optimizer_s(self, params: int) -> float:
         """Adam is memory-bound: its time is the state traffic over HBM bandwidth."""
@@ -158,10 +171,22 @@ class PlanCosts:
         node = self.plan.node_of
         return self.model.boundary_s(node[src_worker] == node[dst_worker])
 
+    @property
+    def partition(self):
+        """The plan's layer split: the simulator cuts the all-reduce into its fragments."""
+        return self.plan.partition
+
+    def sync_time(self, sync: GradientSync, workers: list[int]) -> float:
+        """One fragment's ring all-reduce: its own parameter bytes over its member workers."""
+        return self._ring(self.model.unit_params(sync.units), workers)
+
     def allreduce_time(self, stage: int, pipeline: int, workers: list[int]) -> float:
+        """A whole stage's all-reduce (for callers that time stages, not fragments)."""
+        return self._ring(self._stage(pipeline, stage).params, workers)
+
+    def _ring(self, params: int, workers: list[int]) -> float:
         nodes = {self.plan.node_of[w] for w in workers}
-        return self.model.allreduce_s(self._stage(pipeline, stage).params, len(set(workers)),
-                                      len(nodes) == 1)
+        return self.model.allreduce_s(params, len(set(workers)), len(nodes) == 1)
 
     def pipeline_signature(self, pipeline: int, workers: list[int]) -> tuple:
         """What decides a self-contained pipeline's timing and memory besides its op order:

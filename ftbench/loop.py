@@ -29,8 +29,7 @@ from ftbench.failures import ITERATION_EVENT_FRACTION, FailureEvent, FailureScri
 from ftbench.outcome import RunOutcome
 from ftbench.plan import Plan
 from ftbench.recovery_costs import CheckpointLedger, SaveCost, action_seconds, save_cost
-from ftbench.sim import simulator
-from ftbench.sim.simulator import SimResult
+from ftbench.sim.simulator import SimResult, ops_completed_at
 
 CLOCKS = ("model", "wall")  # backend.clock
 
@@ -177,6 +176,14 @@ class RunLoop:
 
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> LoopOutcome:
+        try:
+            return self._run()
+        except BaseException as err:  # Ctrl-C, SIGTERM, a bug: whoever reports it gets what was done
+            self.out.iterations, self.out.time_s = self.it, self.now()
+            err.outcome = self.out
+            raise
+
+    def _run(self) -> LoopOutcome:
         out = self.out
         self.plan = self.strategy.plan(self.view)
         self.backend.start(self.plan)
@@ -333,7 +340,7 @@ class RunLoop:
         key = (id(timeline), fraction)
         hit = self._points.get(key)
         if hit is None or hit[0] is not timeline:
-            hit = self._points[key] = (timeline, _completed(timeline, fraction))
+            hit = self._points[key] = (timeline, ops_completed_at(timeline, fraction))
         return hit[1]
 
     def _apply(self, event: FailureEvent) -> None:
@@ -425,11 +432,3 @@ def run_loop(ctx, strategy, cluster: Cluster, script: FailureScript, backend: Ba
     """Drive `strategy` through `script` on `backend`; `log(record)` gets every metrics line."""
     return RunLoop(ctx, strategy, cluster, script, backend, timelines, log, progress, clock).run()
 
-
-def _completed(timeline: SimResult, fraction: float) -> frozenset:
-    # TEMPORARY until simulator.ops_completed_at lands
-    fn = getattr(simulator, "ops_completed_at", None)
-    if fn is not None:
-        return fn(timeline, fraction)
-    cut = fraction * timeline.iteration_time
-    return frozenset(op for _, op, s, e in timeline.ops if e <= cut and op.kind != "OPT")

@@ -15,6 +15,8 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ftbench.layers import GradientSync, Layout, stage_layout
+
 F, B, W, BW, OPT = "F", "B", "W", "BW", "OPT"
 KINDS = (F, B, W, BW, OPT)
 NO_MICROBATCH = -1  # OPT ops act on a whole stage
@@ -31,14 +33,6 @@ class Op(NamedTuple):
         return f"{self.kind}(s{self.stage}{mb},p{self.pipeline})"
 
 
-@dataclass(frozen=True)
-class GradientSync:
-    """The gradient all-reduce of one stage over its replica pipelines: a node of the
-    dependency graph that no worker runs (it occupies the network, not a GPU)."""
-    stage: int
-    replicas: tuple[int, ...]
-
-
 class ScheduleError(ValueError):
     """A schedule that cannot be executed: missing, duplicated or deadlocking ops."""
 
@@ -48,8 +42,9 @@ class Schedule:
     """Per worker, the ordered ops of one iteration.
 
     `stages[d]` and `microbatches[d]` give the shape of pipeline d, so pipelines may differ
-    (heterogeneous pipelines). The optimizer step of stage s waits for the backward of
-    stage s in every pipeline with the same number of stages (the gradient all-reduce).
+    (heterogeneous pipelines). The optimizer step of a stage waits for the gradient syncs of
+    the layer fragments it holds (ftbench.layers); without a plan's partition, stage s of the
+    pipelines with the same number of stages are taken as replicas.
     """
     ops: dict[int, list[Op]]
     stages: tuple[int, ...]
@@ -84,8 +79,9 @@ class Schedule:
                 tuple((w, tuple(self.ops[w])) for w in self.workers))
 
 
-def dependencies(schedule: Schedule, op: Op) -> list[Op]:
-    """Ops that must finish before `op` may start (not counting the worker's own order)."""
+def dependencies(schedule: Schedule, op: Op, layout: Layout | None = None) -> list:
+    """Ops (and, for OPT, gradient syncs) that must finish before `op` may start, not counting
+    the worker's own order. `layout`: the plan's fragments (default: stage_layout)."""
     kind, s, m, d = op
     last = schedule.stages[d] - 1
     if kind == F:
@@ -98,7 +94,8 @@ def dependencies(schedule: Schedule, op: Op) -> list[Op]:
     if kind == W:
         return [Op(B, s, m, d)]
     if kind == OPT:
-        return [GradientSync(s, tuple(replica_pipelines(schedule, d)))]
+        layout = layout or stage_layout(schedule.stages)
+        return list(layout.of_position[(d, s)])
     raise ScheduleError(f"unknown op kind {kind!r} in {op}")
 
 
@@ -107,13 +104,15 @@ def replica_pipelines(schedule: Schedule, pipeline: int) -> list[int]:
     return [d for d, n in enumerate(schedule.stages) if n == schedule.stages[pipeline]]
 
 
-def weight_gradient_ops(schedule: Schedule, stage: int, pipeline: int) -> list[Op]:
-    """Every op that produces a weight gradient of `stage`, over all replicas: the all-reduce input."""
+def sync_inputs(schedule: Schedule, sync: GradientSync, present=None) -> list[Op]:
+    """Every op producing a weight gradient of the sync's fragment (of the `present` pipelines;
+    default all): the all-reduce's inputs."""
     ops = []
-    for d in replica_pipelines(schedule, pipeline):
-        for m in range(schedule.microbatches[d]):
-            w = Op(W, stage, m, d)
-            ops.append(w if schedule.has(w) else Op(BW, stage, m, d))
+    for d, stage in sync.holders:
+        if present is None or d in present:
+            for m in range(schedule.microbatches[d]):
+                w = Op(W, stage, m, d)
+                ops.append(w if schedule.has(w) else Op(BW, stage, m, d))
     return ops
 
 
@@ -161,17 +160,20 @@ def _coverage_problems(schedule: Schedule) -> list[str]:
     return problems
 
 
-def dependency_graph(schedule: Schedule, present: set[int] | None = None) -> dict:
-    """node -> the nodes it waits for, for every op and every GradientSync. A sync waits for
-    the weight gradients of the `present` pipelines only (default: all)."""
+def dependency_graph(schedule: Schedule, present: set[int] | None = None,
+                     layout: Layout | None = None) -> dict:
+    """node -> the nodes it waits for, for every op and every GradientSync some step waits
+    for. A sync waits for the weight gradients of the `present` pipelines only (default: all).
+    `layout`: the plan's fragments (ftbench.layers.fragment_layout; default: stage_layout)."""
+    layout = layout or stage_layout(schedule.stages)
     deps: dict = {}
     for ops in schedule.ops.values():
         for op in ops:
-            deps[op] = dependencies(schedule, op)
-            if op.kind == OPT and deps[op][0] not in deps:
-                sync = deps[op][0]
-                deps[sync] = [o for o in weight_gradient_ops(schedule, sync.stage, op.pipeline)
-                              if present is None or o.pipeline in present]
+            deps[op] = dependencies(schedule, op, layout)
+            if op.kind == OPT:
+                for sync in deps[op]:
+                    if sync not in deps:
+                        deps[sync] = sync_inputs(schedule, sync, present)
     return deps
 
 

@@ -146,7 +146,12 @@ def test_a_failed_workers_state_is_gone(tmp_path):
 
 def test_an_abandoned_iteration_leaves_nothing_behind(tmp_path):
     engine = _engine(tmp_path)
-    engine.run_iteration(0, stop_after=engine.ops_per_iteration() // 2)
+    from ftbench.sim.cache import SimCache
+    from ftbench.sim.simulator import ops_completed_at
+
+    halfway = ops_completed_at(SimCache(engine.ctx.cost_model)(engine.plan), 0.5)
+    assert 0 < len(halfway) < engine.ops_per_iteration()
+    engine.run_iteration(0, completed=halfway)
     engine.abandon_iteration()
     for worker in engine.workers.values():
         for replica in worker.replicas.values():

@@ -7,7 +7,6 @@ weights), checkpoint files written and read, state copied from peers.
 """
 from __future__ import annotations
 
-import inspect
 import time
 
 from ftbench.actions import (MEMORY, Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
@@ -36,10 +35,7 @@ class LocalBackend:
     def strike(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int]) -> None:
         self._use(plan)
         if completed:
-            if "completed" in inspect.signature(self.engine.run_iteration).parameters:
-                self.engine.run_iteration(iteration, completed=completed)
-            else:  # TEMPORARY until the engine takes failure points
-                self.engine.run_iteration(iteration, stop_after=len(completed))
+            self.engine.run_iteration(iteration, completed=completed)
         self.engine.destroy(dead_workers)
         self.engine.abandon_iteration()
 

@@ -1,9 +1,14 @@
-"""Execute one iteration of a plan on real tensors, inside one process.
+"""Execute one iteration of a plan on real tensors.
 
-The ops run in one topological order of the schedule's dependency graph that also keeps
-every worker's own order, so each worker sees exactly the sequence the schedule gives it
-(that sequence is what decides gradient-accumulation order, hence the numerics). A send
-between workers is a `detach()`: the receiver gets the values, never the sender's graph.
+`WorkerExecutor` runs one worker's ops (F, B, W, BW, OPT, and its part in gradient syncs) on
+that worker's own state; everything it exchanges with other workers goes through a
+`Transport` (ftbench.engine.transport), so a `dist` backend (one process per worker) and
+Swift's logging transport reuse it unchanged.
+
+`Executor` is the in-process driver: it runs every worker's ops in one topological order of
+the schedule's dependency graph that also keeps each worker's own order, so each worker sees
+exactly the sequence the schedule gives it (that sequence is what decides gradient-
+accumulation order, hence the numerics).
 
 Losses are summed cross-entropies divided by (global batch x predicted tokens), so gradients
 are normalised by the global batch and a micro-batch's contribution does not depend on which
@@ -16,8 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ftbench.engine.transport import ACT, GRAD, InProcessTransport, Transport
 from ftbench.engine.worker import StageReplica, Worker
-from ftbench.schedule import B, BW, F, OPT, W, GradientSync, Op, dependency_graph, topological_order
+from ftbench.layers import GradientSync, fragment_layout, model_layers
+from ftbench.schedule import B, BW, F, OPT, W, Op, dependency_graph, topological_order
 from models.gpt import lm_loss_sum
 
 
@@ -28,107 +35,178 @@ class IterationResult:
     complete: bool
 
 
-class Executor:
-    """Runs plans on a set of workers. `tokens(pipeline, microbatch)` gives a micro-batch's
-    input ids for the iteration being run."""
+def sync_members(plan, sync: GradientSync) -> tuple[int, ...]:
+    """The workers that step a replica of the sync's fragment, in holder (pipeline) order:
+    the reduction's members and its summation order."""
+    where = plan.schedule.index()
+    members = []
+    for d, s in sync.holders:
+        w = where.get(Op(OPT, s, -1, d))
+        if w is not None and w not in members:
+            members.append(w)
+    return tuple(members)
 
-    def __init__(self, workers: dict[int, Worker]):
-        self.workers = workers
-        self._orders: dict[int, tuple] = {}  # id(plan) -> (plan, order)
 
-    def order(self, plan) -> list:
-        hit = self._orders.get(id(plan))
-        if hit is None or hit[0] is not plan:
-            order = topological_order(plan.schedule, dependency_graph(plan.schedule))
-            hit = self._orders[id(plan)] = (plan, order)
-        return hit[1]
+class WorkerExecutor:
+    """One worker's side of an iteration: its ops on its own state, the rest via `transport`.
+    `tokens(pipeline, microbatch)` gives a micro-batch's input ids."""
 
-    def run(self, plan, tokens, normaliser: float, stop_after: int | None = None) -> IterationResult:
-        """Run the plan's iteration; with `stop_after`, stop after that many worker ops (a
-        failure strikes there). Syncs are not counted: they are network, not worker, steps."""
-        schedule = plan.schedule
-        where = schedule.index()
-        mail: dict = {}  # ("act"|"grad", pipeline, stage, microbatch) -> tensor
-        batches: dict = {}
-        loss = torch.zeros((), dtype=torch.float64)
-        ran = 0
-        for node in self.order(plan):
-            if isinstance(node, GradientSync):
-                self._allreduce(node, schedule)
-                continue
-            # A failure strikes before any stage steps: an iteration is either lost whole or
-            # completed (a partially applied step is Swift's undo problem, not modelled here).
-            if stop_after is not None and (ran >= stop_after or node.kind == OPT):
-                return IterationResult(float("nan"), ran, False)
-            worker = self.workers[where[node]]
-            replica = worker.replica(node.stage)
-            if node.kind == F:
-                loss += self._forward(node, replica, worker, schedule, mail, batches, tokens, normaliser)
-            elif node.kind in (B, BW):
-                self._backward(node, replica, mail, deferred=node.kind == B)
-            elif node.kind == W:
-                replica.store.flush((node.pipeline, node.microbatch))
-            elif node.kind == OPT:
-                replica.optimizer.step()
-                replica.optimizer.zero_grad(set_to_none=True)
-            ran += 1
-        return IterationResult(float(loss), ran, True)
+    def __init__(self, worker: Worker, transport: Transport, plan, tokens, normaliser: float):
+        self.worker, self.transport, self.plan = worker, transport, plan
+        self.tokens, self.normaliser = tokens, normaliser
+        self._batches: dict = {}
+        self._n_layers = model_layers(plan.partition)
+
+    def replica(self, pipeline: int, stage: int) -> StageReplica:
+        return self.worker.replica(self.plan.layers(pipeline, stage))
+
+    def run(self, op: Op) -> torch.Tensor | None:
+        """Run one op; a last-stage forward returns its share of the loss (float64)."""
+        replica = self.replica(op.pipeline, op.stage)
+        if op.kind == F:
+            return self._forward(op, replica)
+        if op.kind in (B, BW):
+            self._backward(op, replica, deferred=op.kind == B)
+        elif op.kind == W:
+            replica.store.flush((op.pipeline, op.microbatch))
+        elif op.kind == OPT:
+            replica.optimizer.step()
+            replica.optimizer.zero_grad(set_to_none=True)
+        else:
+            raise ValueError(f"unknown op {op}")
+        return None
+
+    # -- gradient syncs -----------------------------------------------------------------
+    def _sync_replica(self, sync: GradientSync) -> StageReplica:
+        where = self.plan.schedule.index()
+        for d, s in sync.holders:
+            if where.get(Op(OPT, s, -1, d)) == self.worker.id:
+                return self.replica(d, s)
+        raise ValueError(f"worker {self.worker.id} steps no holder of {sync}")
+
+    def reduce_start(self, sync: GradientSync, members: tuple[int, ...]) -> None:
+        if len(members) < 2:
+            return  # nobody to sum with
+        params = self._sync_replica(sync).fragment_parameters(sync.units, self._n_layers)
+        self.transport.reduce_start(sync, self.worker.id, members, [p.grad for p in params])
+
+    def reduce_wait(self, sync: GradientSync, members: tuple[int, ...]) -> None:
+        if len(members) < 2:
+            return
+        params = self._sync_replica(sync).fragment_parameters(sync.units, self._n_layers)
+        for p, total in zip(params, self.transport.reduce_wait(sync, self.worker.id)):
+            if total is not None:
+                p.grad = total
 
     # -- ops ----------------------------------------------------------------------------
-    def _forward(self, op: Op, replica: StageReplica, worker: Worker, schedule, mail, batches, tokens,
-                 normaliser) -> torch.Tensor:
+    def _peer(self, op: Op) -> int:
+        return self.plan.schedule.worker_of(op)
+
+    def _forward(self, op: Op, replica: StageReplica) -> torch.Tensor | None:
         key = (op.pipeline, op.microbatch)
-        module = replica.module
-        last = op.stage == schedule.stages[op.pipeline] - 1
-        if key not in batches:
-            batches[key] = tokens(*key)
+        last = self.plan.is_last_stage(op.pipeline, op.stage)
+        if key not in self._batches and (op.stage == 0 or last):
+            self._batches[key] = self.tokens(*key)
         if op.stage == 0:
-            x = batches[key]
+            x = self._batches[key]
         else:
-            x = mail.pop(("act", op.pipeline, op.stage - 1, op.microbatch)).requires_grad_()
+            src = self._peer(Op(F, op.stage - 1, op.microbatch, op.pipeline))
+            x = self.transport.receive((ACT, op.pipeline, op.stage - 1, op.microbatch), src,
+                                       self.worker.id).requires_grad_()
         saved = _SavedBytes()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            y = module(x)
-            out = lm_loss_sum(y, batches[key]) / normaliser if last else y
+            y = replica.module(x)
+            out = lm_loss_sum(y, self._batches[key]) / self.normaliser if last else y
         replica.stash[key] = (x, out, saved.bytes)
-        stashed = sum(entry[2] for r in worker.replicas.values() for entry in r.stash.values())
-        worker.peak_activation_bytes = max(worker.peak_activation_bytes, stashed)
+        stashed = sum(entry[2] for r in self.worker.replicas.values() for entry in r.stash.values())
+        self.worker.peak_activation_bytes = max(self.worker.peak_activation_bytes, stashed)
         if last:
             return out.detach().to(torch.float64)
-        mail[("act", op.pipeline, op.stage, op.microbatch)] = y.detach()
-        return torch.zeros((), dtype=torch.float64)
+        dst = self._peer(Op(F, op.stage + 1, op.microbatch, op.pipeline))
+        self.transport.send((ACT, op.pipeline, op.stage, op.microbatch), y.detach(), self.worker.id, dst)
+        return None
 
-    def _backward(self, op: Op, replica: StageReplica, mail, deferred: bool) -> None:
+    def _backward(self, op: Op, replica: StageReplica, deferred: bool) -> None:
         key = (op.pipeline, op.microbatch)
+        schedule = self.plan.schedule
         x, out, _ = replica.stash.pop(key)
-        grad = None if out.dim() == 0 else mail.pop(("grad", op.pipeline, op.stage, op.microbatch))
+        grad = None
+        if out.dim() != 0:
+            src = self._peer(schedule.backward_input_op(op.stage + 1, op.microbatch, op.pipeline))
+            grad = self.transport.receive((GRAD, op.pipeline, op.stage, op.microbatch), src, self.worker.id)
         with replica.store.defer(key) if deferred else nullcontext():
             torch.autograd.backward(out, grad)
         if op.stage > 0:
-            mail[("grad", op.pipeline, op.stage - 1, op.microbatch)] = x.grad
+            dst = self._peer(schedule.backward_input_op(op.stage - 1, op.microbatch, op.pipeline))
+            self.transport.send((GRAD, op.pipeline, op.stage - 1, op.microbatch), x.grad, self.worker.id, dst)
 
-    def _allreduce(self, sync: GradientSync, schedule) -> None:
-        """Sum the stage's gradients over its replicas, in pipeline order (deterministic),
-        and give every replica the sum."""
-        where = schedule.index()
-        workers = []
-        for p in sync.replicas:
-            opt = Op(OPT, sync.stage, -1, p)
-            if opt in where and where[opt] not in workers:
-                workers.append(where[opt])
-        replicas = [self.workers[w].replica(sync.stage) for w in workers]
-        if len(replicas) < 2:
-            return
-        params = [list(r.module.parameters()) for r in replicas]
-        for group in zip(*params):
-            grads = [p.grad for p in group if p.grad is not None]
-            if not grads:
+
+class Executor:
+    """The in-process driver: runs plans on a set of workers in one topological order."""
+
+    def __init__(self, workers: dict[int, Worker], transport: Transport | None = None):
+        self.workers = workers
+        self.transport = transport if transport is not None else InProcessTransport()
+        self._graphs: dict[int, tuple] = {}  # id(plan) -> (plan, deps, order, members)
+
+    def graph(self, plan) -> tuple[dict, list, dict]:
+        """(dependency graph, topological order, sync -> members) of a plan, built once."""
+        hit = self._graphs.get(id(plan))
+        if hit is None or hit[0] is not plan:
+            deps = dependency_graph(plan.schedule, layout=fragment_layout(plan.schedule.stages, plan.partition))
+            order = topological_order(plan.schedule, deps)
+            members = {n: sync_members(plan, n) for n in deps if isinstance(n, GradientSync)}
+            hit = self._graphs[id(plan)] = (plan, deps, order, members)
+        return hit[1:]
+
+    def order(self, plan) -> list:
+        return self.graph(plan)[1]
+
+    def run(self, plan, tokens, normaliser: float, completed: frozenset | None = None) -> IterationResult:
+        """Run the plan's iteration. With `completed` (a set of ops closed under dependencies
+        and each worker's order: where a failure strikes), run exactly those ops, and the
+        gradient syncs that some completed OPT waits for; the result is then incomplete."""
+        deps, order, members = self.graph(plan)
+        if completed is not None:
+            _check_closed(plan, deps, completed)
+        where = plan.schedule.index()
+        execs = {w: WorkerExecutor(self.workers[w], self.transport, plan, tokens, normaliser) for w in plan.workers}
+        needed = None if completed is None else {s for op in completed if op.kind == OPT for s in deps[op]}
+        loss = torch.zeros((), dtype=torch.float64)
+        ran = 0
+        for node in order:
+            if isinstance(node, GradientSync):
+                if needed is None or node in needed:
+                    group = members[node]
+                    for w in group:  # every member contributes, then every member collects
+                        execs[w].reduce_start(node, group)
+                    for w in group:
+                        execs[w].reduce_wait(node, group)
                 continue
-            total = grads[0].clone()
-            for g in grads[1:]:
-                total.add_(g)
-            for p in group:
-                p.grad = total.clone()
+            if completed is not None and node not in completed:
+                continue
+            share = execs[where[node]].run(node)
+            if share is not None:
+                loss += share
+            ran += 1
+        if completed is not None:
+            return IterationResult(float("nan"), ran, False)
+        return IterationResult(float(loss), ran, True)
+
+
+def _check_closed(plan, deps: dict, completed) -> None:
+    """A failure point must be a state the ops could reach: every op's producers and its
+    worker's earlier ops are in it (a sync counts when all its inputs are)."""
+    for ops in plan.schedule.ops.values():
+        for before, op in zip(ops, ops[1:]):
+            if op in completed and before not in completed:
+                raise ValueError(f"{op} is completed but its worker's earlier {before} is not")
+    for op in completed:
+        for d in deps[op]:
+            missing = [x for x in deps[d] if x not in completed] if isinstance(d, GradientSync) \
+                else ([] if d in completed else [d])
+            if missing:
+                raise ValueError(f"{op} is completed but {missing[0]} it waits for is not")
 
 
 class _SavedBytes:

@@ -19,9 +19,10 @@ from ftbench.checkpoint import CheckpointStore
 from ftbench.engine.executor import Executor, IterationResult
 from ftbench.engine.worker import StageReplica, Worker
 from ftbench.errors import ResultError
+from ftbench.layers import fragment_layout, model_layers, stage_units
 from ftbench.plan import checkpoint_writers
 from models.data import batch
-from models.gpt import build_stage, state_dict_from_stages
+from models.gpt import build_stage
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}  # the choices of backend.dtype
 
@@ -40,6 +41,15 @@ def check_fits_host(ctx, replicas: int, dtype: str) -> None:
                         f"{ctx.spec.name} ({ctx.spec.parameters / 1e6:.0f}M parameters) but this machine has "
                         f"{have / 1e9:.1f} GB; use backend=sim for paper-scale models, or a smaller model "
                         "(model=gpt-tiny) or cluster.dp")
+
+
+@dataclass
+class Writer:
+    """Who writes one fragment's part of a checkpoint (every parameter is written once)."""
+    name: str  # the shard's name in the checkpoint
+    worker: int
+    replica: StageReplica
+    units: tuple[int, int]  # ftbench.layers units; the whole replica when it is a whole stage
 
 
 @dataclass
@@ -80,16 +90,21 @@ class LocalEngine:
             worker = self.workers.get(w)
             if worker is None or not worker.alive:
                 worker = self.workers[w] = Worker(w)
-            wanted = {stage: plan.layers(pipeline, stage) for pipeline, stage in held}
-            for stage in [s for s, r in worker.replicas.items() if wanted.get(s) != r.layers]:
-                worker.replicas.pop(stage).destroy()  # a stage the worker no longer holds is freed
-            for pipeline, stage in held:
-                if stage not in worker.replicas:
-                    worker.replicas[stage] = self._new_replica(plan, pipeline, stage)
+            # Replicas are keyed by layer range: the same layers are the same state, whichever
+            # pipeline or stage index names them in `plan`.
+            wanted = {plan.layers(pipeline, stage): (pipeline, stage) for pipeline, stage in held}
+            for layers in [k for k in worker.replicas if k not in wanted]:
+                worker.replicas.pop(layers).destroy()  # layers the worker no longer holds are freed
+            for layers, (pipeline, stage) in wanted.items():
+                if layers not in worker.replicas:
+                    worker.replicas[layers] = self._new_replica(plan, pipeline, stage)
         self.plan = plan
 
     # -- training -----------------------------------------------------------------------
-    def run_iteration(self, iteration: int, stop_after: int | None = None) -> IterationResult:
+    def run_iteration(self, iteration: int, completed: frozenset | None = None) -> IterationResult:
+        """Run iteration `iteration` of the plan; with `completed` (ops closed under their
+        dependencies and each worker's order: the failure point the run loop resolved from
+        the plan's simulated timeline), run only those: a failure strikes there."""
         schedule = self.plan.schedule
         offsets = [sum(schedule.microbatches[:p]) for p in range(len(schedule.microbatches))]
         b = self.ctx.microbatch_size
@@ -101,7 +116,7 @@ class LocalEngine:
             return batch(self.data, iteration, range(first, first + b))
 
         normaliser = float(self.ctx.global_batch * (self.ctx.seq_len - 1))
-        result = self.executor.run(self.plan, tokens, normaliser, stop_after)
+        result = self.executor.run(self.plan, tokens, normaliser, completed)
         self._track_memory()
         return result
 
@@ -114,6 +129,9 @@ class LocalEngine:
             if worker.alive:
                 for replica in worker.replicas.values():
                     replica.reset_iteration()
+        clear = getattr(self.executor.transport, "clear", None)
+        if clear is not None:
+            clear()  # messages and reductions in flight are lost with the iteration
 
     def destroy(self, worker_ids) -> None:
         for w in worker_ids:
@@ -127,9 +145,36 @@ class LocalEngine:
                 self.peak_memory[w] = max(self.peak_memory.get(w, 0), state + worker.peak_activation_bytes)
 
     # -- checkpoints --------------------------------------------------------------------
-    def _writers(self) -> dict[int, StageReplica]:
-        """One live replica per stage writes the stage's shard (the same choice the sim charges)."""
-        return {stage: self.workers[w].replica(stage) for stage, w in checkpoint_writers(self.plan).items()}
+    def _writers(self, plan=None) -> list[Writer]:
+        """One holder per layer fragment writes that fragment, so every parameter is written
+        exactly once whatever the partitions. On a regular grid the fragments are the stages
+        and the writers are checkpoint_writers' (the same choice the sim charges); otherwise
+        fragment i is written by the i-th (mod holders) worker holding it, spreading writes."""
+        plan = plan or self.plan
+        stages = plan.schedule.stages
+        n = model_layers(plan.partition)
+        regular = len(set(plan.partition)) == 1
+        by_stage = checkpoint_writers(plan) if regular else {}
+        held = []  # (worker, layers, units) of every replica in the plan
+        for w in sorted(plan.holds):
+            for d, s in plan.holds[w]:
+                layers = plan.layers(d, s)
+                held.append((w, layers, stage_units(layers, s == 0, s == stages[d] - 1, n)))
+        writers = []
+        for i, sync in enumerate(fragment_layout(stages, plan.partition).syncs):
+            lo, hi = sync.units
+            if regular:
+                stage = sync.stage
+                w = by_stage[stage]
+                writers.append(Writer(f"stage{stage}", w, self.workers[w].replica(plan.layers(0, stage)), sync.units))
+                continue
+            holders = sorted({(w, layers) for w, layers, (a, b) in held if a <= lo and hi <= b})
+            w, layers = holders[i % len(holders)]
+            writers.append(Writer(f"units{lo}-{hi}", w, self.workers[w].replica(layers), sync.units))
+        return writers
+
+    def _shard(self, writer: Writer, plan=None) -> dict:
+        return writer.replica.shard(writer.units, model_layers((plan or self.plan).partition))
 
     def save(self, iteration: int, mode: str) -> SaveCost:
         started = time.perf_counter()
@@ -138,7 +183,7 @@ class LocalEngine:
                 for replica in self.workers[w].replicas.values():
                     replica.commit = {"iteration": iteration, "shard": replica.shard()}
             return SaveCost(time.perf_counter() - started, 0.0)
-        shards = {f"stage{s}": r.shard() for s, r in self._writers().items()}
+        shards = {wr.name: self._shard(wr) for wr in self._writers()}
         if mode == FILE:
             self.store.save(iteration, shards)
             return SaveCost(time.perf_counter() - started, 0.0)
@@ -177,15 +222,26 @@ class LocalEngine:
         return iteration
 
     def sync_from_peers(self, plan) -> None:
-        """Give every replica of `plan` the current state of a live replica of the same layers."""
-        shards = [r.shard() for r in self._writers().values()]
+        """Give every replica of `plan` the current state of a live replica of the same layers:
+        each fragment's writer sends its shard, through the transport, to every worker of
+        `plan` that holds some of those layers."""
+        sources = [(wr.worker, wr.units, self._shard(wr)) for wr in self._writers()]
         self.adopt(plan)
-        self._load_all(plan, shards)
+        n = model_layers(plan.partition)
+        stages, transport = plan.schedule.stages, self.executor.transport
+        for dst in sorted(plan.holds):
+            ranges = [stage_units(plan.layers(d, s), s == 0, s == stages[d] - 1, n) for d, s in plan.holds[dst]]
+            wanted = [(src, units, shard) for src, units, shard in sources
+                      if any(lo < units[1] and units[0] < hi for lo, hi in ranges)]
+            for src, units, shard in wanted:
+                transport.send_state(units, shard, src, dst)
+            received = [transport.receive_state(units, src, dst) for src, units, _ in wanted]
+            self._load_all(plan, received, workers=[dst])
 
-    def _load_all(self, plan, shards) -> None:
+    def _load_all(self, plan, shards, workers=None) -> None:
         model = {k: v for s in shards for k, v in s["model"].items()}
         optim = {k: v for s in shards for k, v in s["optim"].items()}
-        for w in plan.holds:
+        for w in plan.holds if workers is None else workers:
             for replica in self.workers[w].replicas.values():
                 try:
                     replica.load(model, optim)
@@ -219,13 +275,15 @@ class LocalEngine:
 
     # -- results ------------------------------------------------------------------------
     def final_state(self) -> dict[str, torch.Tensor]:
-        """The trained model in the Hugging Face GPT2LMHeadModel layout, after checking that
-        every data-parallel replica of each stage holds the same weights."""
-        writers = self._writers()
+        """The trained model in the Hugging Face GPT2LMHeadModel layout, assembled from the
+        fragments' writers, after checking that every replica holding a parameter (whatever
+        its partition) holds the same weights."""
+        state = {}
+        for writer in self._writers():
+            state.update(self._shard(writer)["model"])
         for w in self.plan.holds:
-            for stage, replica in self.workers[w].replicas.items():
-                ref = writers[stage].named_parameters()
+            for layers, replica in self.workers[w].replicas.items():
                 for name, p in replica.named_parameters().items():
-                    if not torch.equal(p, ref[name]):
-                        raise RuntimeError(f"replicas of stage {stage} diverged at {name}")
-        return state_dict_from_stages([writers[s].module for s in sorted(writers)])
+                    if not torch.equal(p, state[name]):
+                        raise RuntimeError(f"replicas of {name} diverged (worker {w}, layers {layers})")
+        return state

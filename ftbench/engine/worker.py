@@ -1,7 +1,10 @@
 """Workers of the local backend and the training state they hold.
 
-A worker (one simulated GPU) keeps one `StageReplica` per pipeline stage it holds: the stage's
-modules, AdamW state, the activation stash and the deferred weight-gradient store. A failure
+A worker (one simulated GPU) keeps one `StageReplica` per layer range it holds: the stage's
+modules, AdamW state, the activation stash and the deferred weight-gradient store. Replicas
+are keyed by their (first, end) block range, not by stage index: a worker running another
+pipeline's micro-batches of the same layers (ReCycle) uses the same replica, and pipelines
+with different partitions (Oobleck) hold different ranges. A failure
 calls `Worker.destroy()`: every tensor is freed (parameters emptied, optimizer state and
 stash dropped) and any later access raises `WorkerFailed`, so a strategy can only get the
 state back through its own recovery actions.
@@ -11,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from ftbench.engine.deferred import WeightGradStore, make_deferrable
+from ftbench.layers import Units, in_units
+from ftbench.plan import LayerRange
 from models.gpt import Stage
 
 
@@ -35,6 +40,7 @@ class StageReplica:
         self.names = module.hf_names()  # local parameter name -> Hugging Face GPT-2 name
         self.stash: dict = {}  # (pipeline, microbatch) -> (stage input, stage output or loss)
         self.commit: dict | None = None  # in-memory commit (Elastic Horovod): {"iteration", "shard"}
+        self._fragments: dict = {}  # units -> parameters inside them (fragment_parameters)
         self.alive = True
 
     # -- guarded state ------------------------------------------------------------------
@@ -56,10 +62,22 @@ class StageReplica:
         """Parameters by their Hugging Face name (the checkpoint and final-state key)."""
         return {self.names[n]: p for n, p in self.module.named_parameters()}
 
+    def fragment_parameters(self, units: Units, n_layers: int) -> list[torch.nn.Parameter]:
+        """This replica's parameters inside a fragment, in module order (a fixed order, the
+        same on every replica, so contributions to a reduction line up)."""
+        self._check()
+        if units not in self._fragments:
+            self._fragments[units] = [p for name, p in self.named_parameters().items()
+                                      if in_units(name, units, n_layers)]
+        return self._fragments[units]
+
     # -- state in and out ---------------------------------------------------------------
-    def shard(self) -> dict:
-        """Weights and AdamW state, keyed by Hugging Face names, as independent copies."""
+    def shard(self, units: Units | None = None, n_layers: int = 0) -> dict:
+        """Weights and AdamW state, keyed by Hugging Face names, as independent copies; only
+        those inside `units` (ftbench.layers) when given."""
         params = self.named_parameters()
+        if units is not None:
+            params = {n: p for n, p in params.items() if in_units(n, units, n_layers)}
         optim = {}
         for name, p in params.items():
             state = self.optimizer.state.get(p)
@@ -102,6 +120,7 @@ class StageReplica:
         self.stash.clear()
         self.store.clear()
         self.commit = None
+        self._fragments.clear()
         self.alive = False
         self._module = self._optimizer = None
 
@@ -109,7 +128,7 @@ class StageReplica:
 class Worker:
     def __init__(self, worker_id: int):
         self.id = worker_id
-        self._replicas: dict[int, StageReplica] | None = {}
+        self._replicas: dict[LayerRange, StageReplica] | None = {}
         self.peak_activation_bytes = 0
 
     @property
@@ -117,17 +136,25 @@ class Worker:
         return self._replicas is not None
 
     @property
-    def replicas(self) -> dict[int, StageReplica]:
+    def replicas(self) -> dict[LayerRange, StageReplica]:
         if self._replicas is None:
             raise WorkerFailed(f"worker {self.id} has failed; its parameters, gradients, optimizer state "
                                "and stash were destroyed")
         return self._replicas
 
-    def replica(self, stage: int) -> StageReplica:
+    def replica(self, layers: LayerRange | int) -> StageReplica:
+        """The replica of a layer range (plan.layers(pipeline, stage)). An int is a stage index,
+        accepted when exactly one held replica has it (a convenience for tests and tools)."""
         replicas = self.replicas
-        if stage not in replicas:
-            raise KeyError(f"worker {self.id} holds no replica of stage {stage} (it holds {sorted(replicas)})")
-        return replicas[stage]
+        if isinstance(layers, int):
+            found = [r for r in replicas.values() if r.stage == layers]
+            if len(found) != 1:
+                raise KeyError(f"worker {self.id} holds {len(found)} replicas of stage {layers} "
+                               f"(it holds layers {sorted(replicas)})")
+            return found[0]
+        if layers not in replicas:
+            raise KeyError(f"worker {self.id} holds no replica of layers {layers} (it holds {sorted(replicas)})")
+        return replicas[layers]
 
     def destroy(self) -> None:
         for replica in (self._replicas or {}).values():

@@ -2,22 +2,27 @@
 
 Each worker runs its ops in order; an op starts when the worker is free and every
 dependency has finished and its output has arrived (producer end + transfer time). The
-optimizer step of a stage waits for the gradient all-reduce across its replicas, which
-starts when the last replica's last weight gradient is ready. Ops are visited in a
+optimizer step of a stage waits for the gradient all-reduces of the layer fragments it
+holds, each starting when the last weight gradient of that fragment is ready, wherever it
+was computed. Ops are visited in a
 topological order of the dependency graph plus each worker's own order
 (ftbench.schedule.topological_order), so one iteration costs O(ops).
 
 `costs` is anything with: op_time(op), transfer_time(src_worker, dst_worker),
 allreduce_time(stage, pipeline, workers), stash_bytes(op), weight_stash_bytes(op) and
-static_bytes(worker) (see ftbench.costs.PlanCosts; tests pass simpler ones).
+static_bytes(worker) (see ftbench.costs.PlanCosts; tests pass simpler ones). A costs object
+that knows the plan's layers also has `partition` and sync_time(sync, workers): then the
+all-reduce is cut into layer fragments (ftbench.layers) and each is charged by its own bytes
+and members; without them, stage s of same-length pipelines is one all-reduce.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ftbench.schedule import (B, BW, F, OPT, W, GradientSync, Op, Schedule, dependency_graph,
-                              topological_order, weight_gradient_ops)
+from ftbench.layers import Layout, fragment_layout, stage_layout
+from ftbench.schedule import (B, BW, F, OPT, W, GradientSync, Op, Schedule, dependency_graph, sync_inputs,
+                              topological_order)
 
 
 @dataclass
@@ -30,6 +35,8 @@ class SimResult:
     peak_activation_bytes: dict[int, float]
     peak_memory_bytes: dict[int, float]  # static state + peak activations
     previous_ops: list = field(default_factory=list)  # staggered: the iteration before, for timelines
+    schedule: Schedule | None = None  # what was simulated, and its fragments: for ops_completed_at
+    layout: Layout | None = None
 
     @property
     def workers(self) -> list[int]:
@@ -91,6 +98,12 @@ def _stage_order(schedule: Schedule, workers) -> list[int]:
 STAGGER_ROUNDS = 4
 
 
+def layout_of(schedule: Schedule, costs) -> Layout:
+    """The plan's fragments when `costs` knows its partition, else one sync per stage."""
+    partition = getattr(costs, "partition", None)
+    return stage_layout(schedule.stages) if partition is None else fragment_layout(schedule.stages, partition)
+
+
 def simulate(schedule: Schedule, costs, dedupe: bool = True, staggered: bool = False) -> SimResult:
     """One iteration of `schedule`. With `staggered` (ReCycle's staggered optimizer) there is
     no barrier between iterations: each worker starts the next iteration as soon as its own
@@ -99,13 +112,15 @@ def simulate(schedule: Schedule, costs, dedupe: bool = True, staggered: bool = F
     copies, owners = _replica_classes(schedule, costs) if dedupe else ({}, {})
     copied_workers = {w for d in copies for w in owners[d]}
     present = set(range(len(schedule.stages))) - set(copies)
-    deps = dependency_graph(schedule, present)
+    layout = layout_of(schedule, costs)
+    deps = dependency_graph(schedule, present, layout)
     for w in copied_workers:
         for op in schedule.ops[w]:
             del deps[op]
     order = topological_order(schedule, deps, copied_workers)
+    sync_cost = _sync_costs(schedule, costs, deps)
     worker_free = defaultdict(float)
-    rounds = [_one_round(schedule, costs, deps, order, worker_free)
+    rounds = [_one_round(schedule, costs, deps, order, worker_free, sync_cost)
               for _ in range(STAGGER_ROUNDS if staggered else 1)]
     ops_out, ar_out = rounds[-1]
     previous = []
@@ -122,12 +137,28 @@ def simulate(schedule: Schedule, costs, dedupe: bool = True, staggered: bool = F
         ops_out, ar_out = shift(ops_out), shift(ar_out)
     ops_out += _copy_replicas(schedule, copies, owners, ops_out)
     result = _summarise(schedule, costs, ops_out, ar_out)
+    result.schedule, result.layout = schedule, layout
     if staggered:
         result.iteration_time, result.previous_ops = period, previous
     return result
 
 
-def _one_round(schedule: Schedule, costs, deps: dict, order: list, worker_free) -> tuple[list, list]:
+def _sync_costs(schedule: Schedule, costs, deps: dict) -> dict:
+    """sync -> (member workers, all-reduce seconds). Members are the workers that produce
+    the fragment's weight gradients, over every pipeline (deduplicated ones included)."""
+    where = schedule.index()
+    fragment_time = getattr(costs, "sync_time", None)
+    out = {}
+    for node in deps:
+        if isinstance(node, GradientSync):
+            members = sorted({where[o] for o in sync_inputs(schedule, node)})
+            seconds = fragment_time(node, members) if fragment_time is not None \
+                else costs.allreduce_time(node.stage, node.pipeline, members)
+            out[node] = (members, seconds)
+    return out
+
+
+def _one_round(schedule: Schedule, costs, deps: dict, order: list, worker_free, sync_cost) -> tuple[list, list]:
     """Time one iteration in topological `order`; `worker_free` carries over between rounds."""
     where = schedule.index()
     end: dict = {}
@@ -136,9 +167,9 @@ def _one_round(schedule: Schedule, costs, deps: dict, order: list, worker_free) 
     # starts when its worker is free and its inputs have arrived.
     for node in order:
         if isinstance(node, GradientSync):
-            members = sorted({where[o] for o in weight_gradient_ops(schedule, node.stage, node.replicas[0])})
+            members, seconds = sync_cost[node]
             start = max(end[o] for o in deps[node])
-            finish = start + costs.allreduce_time(node.stage, node.replicas[0], members)
+            finish = start + seconds
             ar_out.append((node, members, start, finish))
         else:
             w = where[node]
@@ -188,3 +219,48 @@ def _summarise(schedule, costs, ops_out, ar_out) -> SimResult:
         peak_mem[w] = costs.static_bytes(w) + act_peak
     ops_out.sort(key=lambda row: (row[0], row[2]))
     return SimResult(iteration_time, ops_out, ar_out, busy, peak_stash, peak_act, peak_mem)
+
+
+
+def ops_completed_at(result: SimResult, fraction: float, stop_before_optimizer: bool = True) -> frozenset:
+    """The ops every worker has finished by `fraction` of the simulated iteration: where a
+    failure striking then cuts the iteration, the same on every backend. The set is closed
+    under dependencies (a step only with its fragments' syncs, hence every input of them)
+    and under each worker's order. By default the failure strikes before any optimizer step
+    (no OPT, nor anything after one); with stop_before_optimizer=False some stages may have
+    stepped while others have not."""
+    if result.schedule is None:
+        raise ValueError("this SimResult does not carry its schedule (not made by simulate)")
+    schedule = result.schedule
+    start = min((s for _, _, s, _ in result.ops), default=0.0)  # staggered: shifted timelines
+    cutoff = start + fraction * result.iteration_time
+    # Finished-by-time is already closed: an op starts no earlier than its producers' (and
+    # syncs') ends and its worker's previous end, and float max/+ never go below an operand.
+    finished = {op for _, op, _, e in result.ops if e <= cutoff}
+    if not stop_before_optimizer:
+        return frozenset(finished)
+    after_step = set()  # ops a worker runs after its own optimizer step (rare)
+    for ops in schedule.ops.values():
+        stepped = False
+        for op in ops:
+            if stepped and op in finished:
+                after_step.add(op)
+            stepped = stepped or op.kind == OPT
+    if not after_step:
+        return frozenset(op for op in finished if op.kind != OPT)
+    return _closed_without_steps(schedule, result.layout, finished)
+
+
+def _closed_without_steps(schedule: Schedule, layout: Layout | None, finished: set) -> frozenset:
+    """`finished` less every OPT and everything that waits, directly or not, for one."""
+    previous = {b: a for ops in schedule.ops.values() for a, b in zip(ops, ops[1:])}
+    deps = dependency_graph(schedule, layout=layout)
+    done: set = set()
+    for node in topological_order(schedule, deps):
+        if isinstance(node, GradientSync):
+            if all(d in done for d in deps[node]):
+                done.add(node)
+        elif node in finished and node.kind != OPT and all(d in done for d in deps[node]) \
+                and (node not in previous or previous[node] in done):
+            done.add(node)
+    return frozenset(n for n in done if not isinstance(n, GradientSync))
