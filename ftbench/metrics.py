@@ -1,13 +1,17 @@
 """Run records: `metrics.jsonl` (streamed), `summary.json` (atomic) and an optional W&B mirror.
 
 The two files are the contract other tools read (see DESIGN.md, "Contracts other tools rely
-on"); W&B is a convenience on top and must never be the reason a run fails.
+on"); W&B is a convenience on top and must never be the reason a run fails. `WandbSink`
+mirrors one run (its docstring says what lands where); `log_sweep_table` logs one table of a
+sweep folder's summaries.
 """
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import math
 import os
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -101,6 +105,7 @@ def write_summary(run_dir: Path | str, summary: dict) -> Path:
     fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=".summary.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as tmp:
+            os.fchmod(tmp.fileno(), 0o644)  # mkstemp makes it 0600; the summary is for everyone to read
             tmp.write(_dumps(summary, indent=2) + "\n")
             tmp.flush()
             os.fsync(tmp.fileno())
@@ -173,6 +178,75 @@ def _numeric_fields(record: dict) -> dict:
     return numeric
 
 
+def _event_fields(record: dict) -> dict:
+    """An event's fields for its W&B row: numbers, booleans (0/1), text (cut to 1000 characters)
+    and lists of plain values (joined with ", "); nested structures stay in metrics.jsonl."""
+    fields = _numeric_fields(record)
+    for key, value in record.items():
+        if key in fields or key == "event":
+            continue
+        if isinstance(value, str):
+            fields[key] = value[:1000]
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
+            fields[key] = ", ".join(map(str, value))[:1000]
+    return fields
+
+
+# The lines that carry the run's progress: their fields go at the top level of W&B's history
+# (loss, iteration_s, ...); every other event goes under "<event>/".
+PROGRESS_EVENTS = ("iteration", "iterations")
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def _leading_date(name: str) -> bool:
+    """Whether `name` starts with a date (2024-05-01..., 2024_05_01..., 20240501...)."""
+    return re.match(r"\d{4}[-_]?\d{2}[-_]?\d{2}(?!\d)", name) is not None
+
+
+def _folder_date(folder: Path, today: _dt.date | None = None) -> str:
+    """The date of a run folder from Hydra's layout (runs/<date>/<time>..., runs/multirun/
+    <date>/<time>/<job>): the nearest ancestor named like a date; else today's date."""
+    for part in reversed(Path(folder).parts):
+        if _DATE.fullmatch(part):
+            return part
+    return (today or _dt.date.today()).isoformat()
+
+
+def wandb_group(group: str | None, run_dir: Path | str, today: _dt.date | None = None) -> str:
+    """The W&B group of a run: readable, and unique per sweep.
+
+    - a sweep (`group` is the sweep folder's name, Hydra's `<time>-<id>` under
+      `runs/multirun/<date>/`): `<date>_<group>`, the date taken from the run folder's path
+      (today's when the path has none); a name that already starts with a date is kept;
+    - a single run (`group` None): `single-<date>`, one group per day of single runs (the
+      run's strategy is its job type, so W&B can split the group further).
+    """
+    if group:
+        group = str(group)
+        return group if _leading_date(group) else f"{_folder_date(Path(run_dir), today)}_{group}"
+    return f"single-{_folder_date(Path(run_dir), today)}"
+
+
+def _backend_of(config: Any) -> str | None:
+    backend = config.get("backend") if isinstance(config, dict) else None
+    if isinstance(backend, dict):
+        backend = backend.get("name")
+    return backend if isinstance(backend, str) else None
+
+
+def _table_cell(value: Any) -> Any:
+    """A value a wandb.Table column holds: plain values as they are, lists as text."""
+    if value is None or isinstance(value, (str, bool)) or _is_number(value):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
+        return ", ".join(map(str, value))
+    return _dumps(value)
+
+
+RECOVERY_COLUMNS = ("time_s", "iteration", "recovery_s", "lost_iterations", "restored_iteration",
+                    "actions", "plan", "shape")
+
+
 def _wandb_settings(wandb: Any) -> Any:
     """Settings that keep W&B quiet and cheap; names this wandb version lacks are dropped."""
     wanted = {
@@ -211,15 +285,38 @@ def _plain_config(config: Any) -> Any:
 
 
 class WandbSink:
-    """Optional W&B mirror of the metrics. Never breaks a run: on any W&B error it warns once
-    and turns into a no-op."""
+    """Optional W&B mirror of a run. Never breaks a run: on a W&B error it warns and turns into
+    a no-op (an extra at `finish` that fails is skipped with a warning).
+
+    What lands in W&B, for users who chart and compare runs there:
+
+    - group: `wandb.group` when set, else `wandb_group(group, run_dir)`: `<date>_<sweep folder>`
+      for a sweep, `single-<date>` for a single run; job type: the strategy; name: the folder.
+    - history: one row per metrics line, W&B's own `_step` left alone (a row per call, so a
+      rollback's redone iterations are not dropped). The x axis is a step metric set with
+      `define_metric`: `iteration` on local (and dist) runs, simulated time `time_s` on sim.
+      Progress lines (`iteration`: loss, iteration_s, time_s, samples; sim's `iterations`:
+      first, last, count, iteration_time_s, time_s, ... plus `iteration` = last) go at the top
+      level. Every other event gets a row of its own with its fields under `<event>/`
+      (`fail/node`, `recovery/recovery_s`, `checkpoint/stall_s`, ...) and the step metric's
+      value when it happened: the line's own `iteration` (`time_s` on sim), else the last one
+      seen.
+    - at finish: a `recoveries` wandb.Table (one row per summary["recoveries"] entry), the
+      run folder's `*.png` as wandb.Image (`gantt.png` under `gantt`, others under
+      `plots/<name>`), the final model folder (artifact type "model", `model-<run id>`) and
+      summary.json (type "summary", `summary-<run id>`), and the summary's scalars (plus
+      recovery totals and peak memory) in `run.summary`.
+    """
 
     MODES = ("offline", "online", "disabled")
 
     def __init__(self, cfg: Any, run_dir: Path | str, name: str, job_type: str,
                  group: str | None, config: dict | None):
         self.run = None
-        self._last_step: int | None = None
+        self.run_dir = Path(run_dir)
+        self.step_metric, self.group = "iteration", group
+        self._defined: set[str] = set()
+        self._step_value: float = 0
         mode = getattr(cfg, "mode", "offline")
         # WANDB_MODE=disabled is W&B's own kill switch; honouring it lets a test suite or a CI
         # job turn W&B off for every run without editing configs.
@@ -231,17 +328,19 @@ class WandbSink:
             warnings.warn(f"wandb.mode {mode!r} is not one of {', '.join(self.MODES)}; "
                           "W&B logging is off for this run", stacklevel=2)
             return
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
+            config = _plain_config(config)
+            self.step_metric = "time_s" if _backend_of(config) == "sim" else "iteration"
+            self.group = getattr(cfg, "group", None) or wandb_group(group, self.run_dir)
             import wandb
             self.run = wandb.init(
-                mode=mode, dir=str(run_dir), project=getattr(cfg, "project", None),
-                entity=getattr(cfg, "entity", None),
-                group=getattr(cfg, "group", None) or group, job_type=job_type, name=name,
-                config=_plain_config(config), reinit=_reinit_value(wandb),
+                mode=mode, dir=str(self.run_dir), project=getattr(cfg, "project", None),
+                entity=getattr(cfg, "entity", None), group=self.group, job_type=job_type,
+                name=name, config=config, reinit=_reinit_value(wandb),
                 settings=_wandb_settings(wandb),
             )
+            self._define(self.step_metric, None)
         except Exception as exc:  # import error, bad login, no network for online mode...
             self._give_up("start", exc)
 
@@ -260,29 +359,51 @@ class WandbSink:
             except Exception:
                 pass
 
-    def _step_for(self, iteration: Any) -> int | None:
-        """W&B drops rows whose step goes backwards, and a rollback redoes iterations: such rows
-        go one past the last step instead; the true number stays in the `iteration` field."""
-        if not _is_number(iteration):
-            return None
-        step = int(iteration)
-        if self._last_step is not None and step < self._last_step:
-            step = self._last_step + 1
-        self._last_step = step
-        return step
+    def _define(self, name: str, step_metric: str | None) -> None:
+        """define_metric once per name (or `<event>/*` glob) with the run's step metric."""
+        if name in self._defined or "*" in name[:-1]:  # W&B takes only a trailing glob
+            return
+        self._defined.add(name)
+        if step_metric is None:
+            self.run.define_metric(name)
+        else:
+            self.run.define_metric(name, step_metric=step_metric)
+
+    def row(self, record: dict) -> dict:
+        """The W&B history row of a metrics line (empty: nothing to log). Keeps the step
+        metric's last value so events without one are placed where they happened."""
+        step = self.step_metric
+        event = record.get("event")
+        value = record.get(step)
+        if _is_number(value):
+            self._step_value = value
+        if event is None or event in PROGRESS_EVENTS:  # a bare record of numbers is progress too
+            data = _numeric_fields({k: v for k, v in record.items() if k != "event"})
+            if event == "iterations" and "iteration" not in data and _is_number(record.get("last")):
+                data["iteration"] = record["last"]
+            if not data:
+                return {}
+        else:
+            fields = _event_fields({k: v for k, v in record.items() if k != step})
+            if not fields:
+                return {}
+            event = re.sub(r"[^A-Za-z0-9_.-]", "_", str(event)) or "event"
+            data = {f"{event}/{key}": v for key, v in fields.items()}
+        data[step] = self._step_value
+        return data
 
     def log(self, record: dict) -> None:
         if self.run is None:
             return
-        data = _numeric_fields(record)
-        if not data:
-            return
         try:
-            step = self._step_for(record.get("iteration"))
-            if step is None:
-                self.run.log(data)
-            else:
-                self.run.log(data, step=step)
+            data = self.row(record)
+            if not data:
+                return
+            for key in data:
+                if key != self.step_metric:
+                    prefix = key.split("/", 1)[0]
+                    self._define(f"{prefix}/*" if "/" in key else key, self.step_metric)
+            self.run.log(data)  # no step=: W&B's _step counts rows, define_metric sets the x axis
         except Exception as exc:
             self._give_up("log", exc)
 
@@ -290,11 +411,140 @@ class WandbSink:
         if self.run is None:
             return
         try:
+            import wandb
+        except Exception as exc:
+            self._give_up("finish", exc)
+            return
+        self._extra("log the recoveries table and images", self._log_media, wandb, summary)
+        self._extra("log the final model", self._log_model, wandb, summary)
+        self._extra("log summary.json", self._log_summary_file, wandb, summary)
+        try:
             self.run.summary.update(_summary_scalars(summary))
             self.run.finish(exit_code=0 if summary.get("status") == "ok" else 1)
         except Exception as exc:
             self._give_up("finish", exc)
         self.run = None
+
+    def _extra(self, action: str, fn, *args: Any) -> None:
+        if self.run is None:
+            return
+        try:
+            fn(*args)
+        except Exception as exc:  # one missing extra must not cost the run its W&B record
+            warnings.warn(f"W&B could not {action} ({type(exc).__name__}: {exc})", stacklevel=3)
+
+    def _log_media(self, wandb: Any, summary: dict) -> None:
+        media: dict[str, Any] = {"recoveries": recoveries_table(wandb, summary)}
+        for png in sorted(self.run_dir.glob("*.png")):
+            key = "gantt" if png.name == "gantt.png" else f"plots/{png.stem}"
+            media[key] = wandb.Image(str(png), caption=png.name)
+        self.run.log(media)
+
+    def _log_model(self, wandb: Any, summary: dict) -> None:
+        folder = summary.get("final_state")
+        if not folder or not Path(folder).is_dir():
+            return
+        artifact = wandb.Artifact(f"model-{self.run.id}", type="model",
+                                  metadata=_artifact_metadata(summary))
+        # immutable: W&B reads the run folder's files instead of copying them to its staging area
+        artifact.add_dir(str(folder), policy="immutable")
+        self.run.log_artifact(artifact, aliases=["latest", "final"])
+
+    def _log_summary_file(self, wandb: Any, summary: dict) -> None:
+        path = Path(summary.get("run_dir") or self.run_dir) / SUMMARY_FILE
+        if not path.is_file():
+            return
+        artifact = wandb.Artifact(f"summary-{self.run.id}", type="summary",
+                                  metadata=_artifact_metadata(summary))
+        artifact.add_file(str(path), name=SUMMARY_FILE)
+        self.run.log_artifact(artifact)
+
+
+def recoveries_table(wandb: Any, summary: dict) -> Any:
+    """A wandb.Table of summary["recoveries"], one row per recovery, RECOVERY_COLUMNS."""
+    recoveries = summary.get("recoveries")
+    entries = [r for r in recoveries if isinstance(r, dict)] if isinstance(recoveries, list) else []
+    rows = [[_table_cell(entry.get(column)) for column in RECOVERY_COLUMNS] for entry in entries]
+    return wandb.Table(columns=list(RECOVERY_COLUMNS), data=rows)
+
+
+def _artifact_metadata(summary: dict) -> dict:
+    keep = ("strategy", "backend", "model", "hardware", "schedule", "pp", "dp", "iterations",
+            "status", "matches_fault_free", "seed")
+    return {k: summary[k] for k in keep if k in summary and not isinstance(summary[k], (dict, list))}
+
+
+# Columns of the sweep table: (column, summary key or derived value).
+SWEEP_COLUMNS: tuple[str, ...] = (
+    "run", "strategy", "backend", "model", "hardware", "schedule", "pp", "dp", "microbatches",
+    "global_batch", "iterations", "samples", "time_s", "throughput", "failures", "recoveries",
+    "recovery_s", "lost_iterations", "peak_memory_gb", "status", "matches_fault_free",
+    "wall_s", "error",
+)
+
+
+def sweep_rows(sweep_dir: Path | str) -> tuple[list[str], list[list[Any]]]:
+    """Columns and rows (one per run, in sweep order) of a sweep folder's summaries."""
+    from ftbench.report import load_runs  # report imports this module
+
+    sweep_dir = Path(sweep_dir)
+    rows = []
+    for summary in load_runs([sweep_dir]):
+        totals = recovery_totals(summary)
+        peak = peak_memory_max(summary)
+        run_dir = Path(summary["run_dir"])
+        derived = {
+            "run": str(run_dir.relative_to(sweep_dir)) if run_dir.is_relative_to(sweep_dir) else run_dir.name,
+            "failures": summary.get("failures") if not isinstance(summary.get("failures"), list)
+            else len(summary["failures"]),
+            "recoveries": totals["count"], "recovery_s": totals["recovery_s"],
+            "lost_iterations": totals["lost_iterations"],
+            "peak_memory_gb": None if peak is None else peak / 1e9,
+        }
+        rows.append([_table_cell(derived[c] if c in derived else summary.get(c)) for c in SWEEP_COLUMNS])
+    return list(SWEEP_COLUMNS), rows
+
+
+def log_sweep_table(sweep_dir: Path | str, cfg: Any = None, run: Any = None, key: str = "sweep") -> bool:
+    """Log one wandb.Table of a sweep's summaries (see SWEEP_COLUMNS); True when it was logged.
+
+    `run`: an open W&B run to log into; without one, a run of its own is started in the sweep
+    folder (job type "sweep-summary", the sweep's group, `cfg` as in WandbSink: mode,
+    project, entity, group; mode "offline" when `cfg` is None) and finished. Like the sink,
+    it never raises for W&B's sake: it warns and returns False.
+    """
+    sweep_dir = Path(sweep_dir)
+    try:
+        columns, rows = sweep_rows(sweep_dir)
+    except Exception as exc:
+        warnings.warn(f"could not read the sweep's summaries ({type(exc).__name__}: {exc})", stacklevel=2)
+        return False
+    own = run is None
+    mode = getattr(cfg, "mode", "offline")
+    if os.environ.get("WANDB_MODE", "").strip().lower() == "disabled":
+        mode = "disabled"
+    if own and mode not in ("offline", "online"):
+        return False
+    try:
+        import wandb
+        if own:
+            group = getattr(cfg, "group", None) or wandb_group(sweep_dir.name, sweep_dir)
+            run = wandb.init(mode=mode, dir=str(sweep_dir), project=getattr(cfg, "project", "ftbench"),
+                             entity=getattr(cfg, "entity", None), group=group, job_type="sweep-summary",
+                             name=f"{group}-summary", reinit=_reinit_value(wandb),
+                             settings=_wandb_settings(wandb))
+        run.log({key: wandb.Table(columns=columns, data=rows)})
+        if own:
+            run.finish()
+        return True
+    except Exception as exc:
+        warnings.warn(f"W&B could not log the sweep table ({type(exc).__name__}: {exc})", stacklevel=2)
+        if own and run is not None:
+            try:
+                run.finish(exit_code=1)
+            except Exception:
+                pass
+        return False
 
 
 def _summary_scalars(summary: dict) -> dict:
@@ -314,4 +564,5 @@ def _summary_scalars(summary: dict) -> dict:
 __all__ = [
     "SUMMARY_KEYS", "STATUSES", "METRICS_FILE", "SUMMARY_FILE", "MetricsWriter", "check_summary",
     "write_summary", "read_metrics", "recovery_totals", "peak_memory_max", "WandbSink",
+    "wandb_group", "recoveries_table", "sweep_rows", "log_sweep_table",
 ]

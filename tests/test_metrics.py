@@ -1,7 +1,9 @@
 """metrics.jsonl streaming, atomic summary.json, and the W&B sink's never-break-a-run promise."""
 from __future__ import annotations
 
+import datetime
 import json
+import re
 import os
 import subprocess
 import sys
@@ -11,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from ftbench.metrics import (
-    STATUSES, SUMMARY_KEYS, MetricsWriter, WandbSink, read_metrics, write_summary,
+    STATUSES, SUMMARY_KEYS, MetricsWriter, WandbSink, log_sweep_table, read_metrics, sweep_rows,
+    wandb_group, write_summary,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,23 +121,55 @@ def test_wandb_mode_env_disables_the_sink(tmp_path, monkeypatch):
 
 
 class FakeRun:
+    id = "fake1"
+
     def __init__(self):
         self.logged, self.summary, self.finished = [], {}, None
+        self.defined, self.artifacts = [], []
+
+    def define_metric(self, name, step_metric=None):
+        self.defined.append((name, step_metric))
 
     def log(self, data, step=None):
-        self.logged.append((data, step))
+        assert step is None, "the sink must leave W&B's step alone"
+        self.logged.append(data)
+
+    def log_artifact(self, artifact, aliases=None):
+        self.artifacts.append(artifact)
 
     def finish(self, exit_code=0):
         self.finished = exit_code
 
 
+class FakeTable:
+    def __init__(self, columns, data):
+        self.columns, self.data = columns, data
+
+
+class FakeImage:
+    def __init__(self, path, caption=None):
+        self.path = path
+
+
+class FakeArtifact:
+    def __init__(self, name, type, metadata=None):
+        self.name, self.type, self.files = name, type, []
+
+    def add_dir(self, path, policy="mutable"):
+        self.files.append(path)
+
+    def add_file(self, path, name=None):
+        self.files.append(path)
+
+
 def fake_wandb(init):
     module = types.ModuleType("wandb")
     module.init = init
+    module.Table, module.Image, module.Artifact = FakeTable, FakeImage, FakeArtifact
     return module
 
 
-def test_sink_logs_numbers_with_monotonic_steps(tmp_path, monkeypatch):
+def test_sink_rows_keep_events_apart_on_the_iteration_axis(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     run, seen = FakeRun(), {}
 
@@ -143,21 +178,115 @@ def test_sink_logs_numbers_with_monotonic_steps(tmp_path, monkeypatch):
         return run
 
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(init))
-    sink = WandbSink(wandb_cfg("offline", group="from-cfg"), tmp_path, "r1", "bamboo", "sweep", {})
+    sink = WandbSink(wandb_cfg("offline", group="from-cfg"), tmp_path, "r1", "bamboo", "sweep",
+                     {"backend": {"name": "local"}})
     assert seen["group"] == "from-cfg" and seen["job_type"] == "bamboo" and seen["mode"] == "offline"
     assert seen["dir"] == str(tmp_path)
-    sink.log({"iteration": 5, "loss": 1.5, "kind": "iter", "ok": True})
-    sink.log({"iteration": 3, "loss": 2.0})  # a rollback: the step must not go backwards
-    sink.log({"event": "failure", "node": 1})
-    assert run.logged == [({"iteration": 5, "loss": 1.5, "ok": 1}, 5),
-                          ({"iteration": 3, "loss": 2.0}, 6),
-                          ({"node": 1}, None)]
-    sink.finish(full_summary(recoveries=[{"recovery_s": 30.0, "lost_iterations": 2}]))
+    sink.log({"event": "start", "clock": "wall", "nodes": 8})
+    sink.log({"event": "iteration", "iteration": 5, "loss": 1.5, "plan": "1f1b", "ok": True})
+    sink.log({"event": "fail", "node": 1, "time_s": 2.0, "iteration": 6})
+    sink.log({"event": "recovery", "iteration": 6, "recovery_s": 3.0, "lost_iterations": 3,
+              "actions": ["RestartJob", "RestoreCheckpoint"], "copies": [{"src": 1}]})
+    sink.log({"event": "iteration", "iteration": 3, "loss": 2.0})  # a rollback: kept, not dropped
+    sink.log({"event": "checkpoint_interval", "every": 4})  # no iteration: the last one seen
+    assert run.logged == [
+        {"start/clock": "wall", "start/nodes": 8, "iteration": 0},
+        {"iteration": 5, "loss": 1.5, "ok": 1},
+        {"fail/node": 1, "fail/time_s": 2.0, "iteration": 6},
+        {"recovery/recovery_s": 3.0, "recovery/lost_iterations": 3,
+         "recovery/actions": "RestartJob, RestoreCheckpoint", "iteration": 6},
+        {"iteration": 3, "loss": 2.0},
+        {"checkpoint_interval/every": 4, "iteration": 3},
+    ]
+    assert run.defined[0] == ("iteration", None)
+    assert {("loss", "iteration"), ("start/*", "iteration"), ("recovery/*", "iteration")} <= set(run.defined)
+    assert len(run.defined) == len(set(run.defined))  # each once
+
+    (tmp_path / "gantt.png").write_bytes(b"png")
+    (tmp_path / "other.png").write_bytes(b"png")
+    (tmp_path / "final_model").mkdir()
+    (tmp_path / "summary.json").write_text("{}")
+    recoveries = [{"time_s": 1.0, "iteration": 6, "recovery_s": 30.0, "lost_iterations": 2,
+                   "restored_iteration": 4, "actions": ["RestartJob"], "plan": "1f1b", "shape": "pp=4 dp=2"}]
+    sink.finish(full_summary(recoveries=recoveries, run_dir=str(tmp_path),
+                             final_state=str(tmp_path / "final_model")))
+    media = run.logged[-1]
+    assert media["recoveries"].columns[:4] == ["time_s", "iteration", "recovery_s", "lost_iterations"]
+    assert media["recoveries"].data == [[1.0, 6, 30.0, 2, 4, "RestartJob", "1f1b", "pp=4 dp=2"]]
+    assert media["gantt"].path.endswith("gantt.png") and media["plots/other"].path.endswith("other.png")
+    assert [(a.name, a.type) for a in run.artifacts] == [("model-fake1", "model"), ("summary-fake1", "summary")]
     assert run.finished == 0
     assert run.summary["throughput"] == 12.8 and run.summary["status"] == "ok"
     assert run.summary["recoveries_count"] == 1 and run.summary["lost_iterations_total"] == 2
     assert "recoveries" not in run.summary  # lists stay in summary.json
     assert not sink.active
+
+
+def test_sim_sink_uses_simulated_time_as_the_step_metric(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    run = FakeRun()
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(lambda **kwargs: run))
+    sink = WandbSink(wandb_cfg("offline"), tmp_path, "r1", "none", None, {"backend": {"name": "sim"}})
+    sink.log({"event": "iterations", "first": 0, "last": 49, "count": 50, "iteration_time_s": 2.0,
+              "time_s": 100.0, "plan": "1f1b"})
+    sink.log({"event": "fail", "node": 3, "time_s": 101.0, "iteration": 50})
+    sink.log({"event": "checkpoint_interval", "every": 10})
+    sink.log({"event": "odd name*", "x": 1})
+    sink.log({"time_s": 102.0, "loss": 0.5})  # a bare record of numbers is progress
+    assert run.logged == [
+        {"first": 0, "last": 49, "count": 50, "iteration_time_s": 2.0, "time_s": 100.0, "iteration": 49},
+        {"fail/node": 3, "fail/iteration": 50, "time_s": 101.0},
+        {"checkpoint_interval/every": 10, "time_s": 101.0},
+        {"odd_name_/x": 1, "time_s": 101.0},
+        {"time_s": 102.0, "loss": 0.5},
+    ]
+    assert run.defined[0] == ("time_s", None) and ("fail/*", "time_s") in run.defined
+    assert ("odd_name_/*", "time_s") in run.defined and ("loss", "time_s") in run.defined
+
+
+def test_a_failing_extra_is_skipped_and_the_run_still_finishes(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    run = FakeRun()
+    module = fake_wandb(lambda **kwargs: run)
+
+    def broken_table(**kwargs):
+        raise RuntimeError("tables are broken")
+
+    module.Table = broken_table
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    sink = WandbSink(wandb_cfg("offline"), tmp_path, "r1", "none", None, {})
+    with pytest.warns(UserWarning, match="tables are broken"):
+        sink.finish(full_summary(run_dir=str(tmp_path)))
+    assert run.finished == 0 and run.summary["status"] == "ok"
+
+
+def test_group_names_carry_the_date(tmp_path):
+    day = datetime.date(2031, 2, 3)
+    sweep_job = Path("runs/multirun/2024-05-01/20-00-00-abcd/0_none_gpt-tiny_sim")
+    assert wandb_group("20-00-00-abcd", sweep_job, day) == "2024-05-01_20-00-00-abcd"
+    assert wandb_group("20-00-00-abcd", tmp_path, day) == "2031-02-03_20-00-00-abcd"  # a bare time: today
+    assert wandb_group("2024-05-01_x", tmp_path, day) == "2024-05-01_x"  # already dated
+    assert wandb_group(None, Path("runs/2024-05-02/10-11-12-ab_none_gpt-tiny_local"), day) == "single-2024-05-02"
+    assert wandb_group(None, tmp_path, day) == "single-2031-02-03"
+
+
+def test_sweep_rows_and_table(tmp_path, monkeypatch):
+    sweep = tmp_path / "20-00-00-abcd"
+    for num, strategy in ((1, "checkpoint"), (0, "none")):
+        recoveries = [{"recovery_s": 2.0, "lost_iterations": 1}] if strategy != "none" else []
+        write_summary(sweep / f"{num}_{strategy}", full_summary(strategy=strategy, recoveries=recoveries))
+    columns, rows = sweep_rows(sweep)
+    table = [dict(zip(columns, row)) for row in rows]
+    assert [(r["run"], r["strategy"], r["recoveries"], r["lost_iterations"]) for r in table] == [
+        ("0_none", "none", 0, 0), ("1_checkpoint", "checkpoint", 1, 1)]
+    assert table[0]["peak_memory_gb"] == pytest.approx(2e-6)
+
+    run = FakeRun()
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(lambda **kwargs: run))
+    assert log_sweep_table(sweep, run=run)
+    assert run.logged[0]["sweep"].data == rows and run.finished is None  # a given run stays open
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert not log_sweep_table(sweep)  # no run of its own when W&B is off
 
 
 def test_sink_warns_once_and_goes_quiet_when_init_fails(tmp_path, monkeypatch):
@@ -199,3 +328,177 @@ def test_offline_sink_writes_into_the_run_folder(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert (run_dir / "wandb").is_dir()
     assert list((run_dir / "wandb").glob("offline-run-*"))
+
+
+# -- decoding W&B's offline run file ------------------------------------------------------
+# wandb >= 0.18 writes run-<id>.wandb from its Go core and no longer ships the Python reader
+# (wandb.sdk.internal.datastore). The file is a LevelDB-style log: a 7-byte header (":W&B",
+# magic 0xBEE1, version 0), then 32 KiB blocks of chunks, each with a 7-byte header (CRC-32 of
+# type + data, length, type: 1 full, 2 first, 3 middle, 4 last); a block's tail shorter than a
+# header is zero padding. Each whole record is a wandb.proto Record, parsed with wandb's own
+# protobuf classes.
+_BLOCK, _HEADER = 32768, 7
+
+
+def wandb_records(path: Path) -> list:
+    import struct
+    import zlib
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B" and struct.unpack_from("<HB", data, 4) == (0xBEE1, 0), data[:7]
+    records, chunks, pos = [], [], _HEADER
+    while pos + _HEADER <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _HEADER:
+            pos += left
+            continue
+        crc, length, kind = struct.unpack_from("<IHB", data, pos)
+        if (crc, length, kind) == (0, 0, 0):  # the unwritten rest of the last block
+            break
+        body = data[pos + _HEADER:pos + _HEADER + length]
+        assert zlib.crc32(body, zlib.crc32(bytes([kind]))) == crc, f"bad checksum at byte {pos}"
+        pos += _HEADER + length
+        chunks.append(body)
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(b"".join(chunks))
+            records.append(record)
+            chunks = []
+    return records
+
+
+def history_rows(records) -> list[dict]:
+    """History records as {key: value}; nested keys joined with '/'."""
+    rows = []
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows
+
+
+def of_type(records, kind: str) -> list:
+    return [getattr(r, kind) for r in records if r.WhichOneof("record_type") == kind]
+
+
+def only_run_file(run_dir: Path) -> Path:
+    files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+LOCAL_RUN = ("backend=local", "model=gpt-tiny", "train.iterations=4", "train.microbatches=2",
+             "wandb.mode=offline", "report.check_fault_free=false", "strategy=checkpoint",
+             "failures=scripted", "failures.events=[{iteration:2,node:5}]")
+SIM_RUN = ("backend=sim", "model=gpt-tiny", "train.iterations=20", "wandb.mode=offline",
+           "strategy=checkpoint", "failures=scripted", "failures.events=[{iteration:5,node:5}]")
+
+
+@pytest.fixture(scope="module")
+def offline_sweep(tmp_path_factory):
+    """A real local run and a real sim run, W&B offline, in one folder; then the sweep table.
+    A subprocess keeps wandb's service and global state out of pytest."""
+    sweep = tmp_path_factory.mktemp("wandb") / "20-00-00-abcd"
+    (sweep / "local").mkdir(parents=True)
+    from PIL import Image
+    Image.new("RGB", (8, 8), "red").save(sweep / "local" / "notes.png")  # any *.png is logged
+    code = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "import conftest\n"
+        "os.environ.pop('WANDB_MODE', None)\n"
+        "from ftbench.metrics import log_sweep_table\n"
+        f"sweep = Path({str(sweep)!r})\n"
+        f"assert conftest.run(sweep / 'local', *{LOCAL_RUN!r})['status'] == 'ok'\n"
+        f"assert conftest.run(sweep / 'sim', *{SIM_RUN!r})['status'] == 'ok'\n"
+        "assert log_sweep_table(sweep)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    scratch = sweep.parent
+    env.update(PYTHONPATH=str(ROOT), WANDB_SILENT="true", WANDB_DIR=str(scratch / "wandb-dir"),
+               WANDB_CONFIG_DIR=str(scratch / "cfg"), WANDB_CACHE_DIR=str(scratch / "cache"),
+               WANDB_DATA_DIR=str(scratch / "data"))
+    try:
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.skip("two small runs with wandb offline took over 240 s on this machine")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return sweep
+
+
+def test_offline_local_run_has_every_iteration_and_event_in_wandb(offline_sweep):
+    run_dir = offline_sweep / "local"
+    records = wandb_records(only_run_file(run_dir))
+    lines = read_metrics(run_dir)
+    rows = history_rows(records)
+
+    # one row per metrics line (none dropped, none merged) plus the row of tables and images
+    assert len(rows) == len(lines) + 1
+    assert [row["_step"] for row in rows] == list(range(len(rows)))
+    losses = [(row["iteration"], row["loss"]) for row in rows if "loss" in row]
+    expected = [(line["iteration"], line["loss"]) for line in lines if line["event"] == "iteration"]
+    assert losses == expected and [i for i, _ in losses] == [0, 1, 0, 1, 2, 3]  # 0, 1 redone after the rollback
+    for row, line in zip(rows, lines):
+        event = line["event"]
+        if event != "iteration":
+            assert not any(key == "loss" or key.startswith("iteration_") for key in row)
+            assert any(key.startswith(f"{event}/") for key in row), (event, row)
+    recovery = next(row for row in rows if "recovery/recovery_s" in row)
+    assert recovery["iteration"] == 2 and recovery["recovery/lost_iterations"] == 2
+    assert recovery["recovery/restored_iteration"] == 0
+    assert next(row for row in rows if "fail/node" in row)["fail/node"] == 5
+
+    metrics = {(m.name or m.glob_name): m for m in of_type(records, "metric")}
+    assert "iteration" in metrics and not metrics["iteration"].step_metric
+    for name in ("loss", "iteration_s", "recovery/*", "fail/*", "checkpoint/*"):
+        assert metrics[name].step_metric == "iteration", name
+
+    media = rows[-1]
+    assert media["recoveries/_type"] == "table-file" and media["recoveries/nrows"] == 1
+    table = json.loads(next(run_dir.glob("wandb/offline-run-*/files/" + media["recoveries/path"])).read_text())
+    row = dict(zip(table["columns"], table["data"][0]))
+    assert row["iteration"] == 2 and row["lost_iterations"] == 2 and "RestoreCheckpoint" in row["actions"]
+    assert media["plots/notes/_type"] == "image-file"
+
+    artifacts = {a.type: a for a in of_type(records, "artifact")}
+    assert {"model", "summary"} <= set(artifacts)
+    assert "model.safetensors" in {entry.path for entry in artifacts["model"].manifest.contents}
+    assert {entry.path for entry in artifacts["summary"].manifest.contents} == {"summary.json"}
+
+    (run,) = of_type(records, "run")
+    assert run.job_type == "checkpoint" and run.display_name == "local"
+    assert re.fullmatch(r"single-\d{4}-\d{2}-\d{2}", run.run_group), run.run_group  # no date in tmp paths
+    summary = {}
+    for update in of_type(records, "summary"):
+        summary.update({item.key or "/".join(item.nested_key): item.value_json for item in update.update})
+    assert json.loads(summary["status"]) == "ok" and json.loads(summary["recoveries_count"]) == 1
+
+
+def test_offline_sim_run_charts_against_simulated_time_and_logs_the_gantt(offline_sweep):
+    run_dir = offline_sweep / "sim"
+    records = wandb_records(only_run_file(run_dir))
+    rows = history_rows(records)
+    lines = read_metrics(run_dir)
+    assert len(rows) == len(lines) + 1
+    metrics = {(m.name or m.glob_name): m for m in of_type(records, "metric")}
+    assert "time_s" in metrics and not metrics["time_s"].step_metric
+    assert metrics["iteration_time_s"].step_metric == "time_s" and metrics["recovery/*"].step_metric == "time_s"
+    segments = [row for row in rows if "iteration_time_s" in row]
+    assert [(r["first"], r["last"], r["time_s"]) for r in segments] == [
+        (l["first"], l["last"], l["time_s"]) for l in lines if l["event"] == "iterations"]
+    recovery = next(row for row in rows if "recovery/recovery_s" in row)
+    line = next(l for l in lines if l["event"] == "recovery")
+    assert recovery["time_s"] == line["time_s"] and recovery["recovery/iteration"] == line["iteration"]
+    assert rows[-1]["gantt/_type"] == "image-file"
+
+
+def test_log_sweep_table_offline(offline_sweep):
+    records = wandb_records(only_run_file(offline_sweep))
+    (run,) = of_type(records, "run")
+    assert run.job_type == "sweep-summary" and run.run_group.endswith("_20-00-00-abcd")
+    (row,) = history_rows(records)
+    assert row["sweep/_type"] == "table-file" and row["sweep/nrows"] == 2
