@@ -127,18 +127,17 @@ def test_each_worker_reaches_only_its_own_state_and_the_transport():
                                     for sync in engine.executor.graph(plan)[2] for w in (sync.stage, 4 + sync.stage))
 
 
-def test_peer_sync_copies_state_through_the_transport():
+def test_peer_copies_move_state_through_the_transport():
+    from ftbench.actions import Transfer
+
     _, _, engine, plan = _engine()
     transport = engine.executor.transport = RecordingTransport()
     engine.run_iteration(0)
     stale = engine.workers[1].replica((2, 4)).module.h["2"].ln_1.weight
-    stale.data.add_(1.0)  # worker 1's copy of stage 1 drifts; stage 1's writer is worker 5
-    engine.sync_from_peers(plan)
-    sent = sorted(c[1:] for c in transport.calls if c[0] == "send_state")
-    received = sorted(c[1:] for c in transport.calls if c[0] == "receive_state")
-    # Each stage's shard went from its one writer to both of its holders (itself included).
-    assert sent == received and len(sent) == 8 and not transport.mail
-    assert {(units, dst % 4) for units, _, dst in sent} == {(sync.units, sync.stage) for sync in
-                                                           engine.executor.graph(plan)[2]}
+    stale.data.add_(1.0)  # worker 1's copy of stage 1 drifts; worker 5 holds the same layers
+    engine.copy_replicas([Transfer((2, 4), False, False, 5, 1, 0.0)], plan)
+    sent = [c[1:] for c in transport.calls if c[0] == "send_state"]
+    received = [c[1:] for c in transport.calls if c[0] == "receive_state"]
+    assert sent == received and [(src, dst) for _, src, dst in sent] == [(5, 1)] and not transport.mail
     engine.final_state()  # every replica agrees again
     assert torch.equal(stale, engine.workers[5].replica((2, 4)).module.h["2"].ln_1.weight)

@@ -54,7 +54,7 @@ class LocalBackend:
                     # stage in a reshape would otherwise hold none until the next commit.
                     engine.save(restored, MEMORY)
             elif isinstance(action, SyncFromPeers):
-                engine.sync_from_peers(new)
+                engine.copy_replicas(action.copies, new)
             elif isinstance(action, Rendezvous):
                 pass  # one process: no communicators to rebuild (the modelled clock charges hardware.rendezvous_s)
             elif isinstance(action, SaveCheckpoint):

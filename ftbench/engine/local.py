@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ftbench.actions import (FILE, MEMORY, SNAPSHOT, Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint,
-                             SyncFromPeers, WaitForReplacement)
+from ftbench.actions import (FILE, MEMORY, SNAPSHOT)
 from ftbench.checkpoint import CheckpointStore
 from ftbench.engine.executor import Executor, IterationResult
 from ftbench.engine.worker import StageReplica, Worker
@@ -83,9 +82,11 @@ class LocalEngine:
         self.plan = None
         self.adopt(plan)
 
-    def adopt(self, plan) -> None:
+    def adopt(self, plan) -> list[tuple[int, tuple[int, int]]]:
         """Continue with `plan`, keeping the replicas workers already hold; replicas a worker
-        newly needs start from the initial weights until a restore fills them."""
+        newly needs start from the initial weights until a restore or copy fills them. Returns
+        those new (worker, layers)."""
+        created = []
         for w, held in plan.holds.items():
             worker = self.workers.get(w)
             if worker is None or not worker.alive:
@@ -98,7 +99,9 @@ class LocalEngine:
             for layers, (pipeline, stage) in wanted.items():
                 if layers not in worker.replicas:
                     worker.replicas[layers] = self._new_replica(plan, pipeline, stage)
+                    created.append((w, layers))
         self.plan = plan
+        return created
 
     # -- training -----------------------------------------------------------------------
     def run_iteration(self, iteration: int, completed: frozenset | None = None) -> IterationResult:
@@ -221,23 +224,6 @@ class LocalEngine:
         self._load_all(plan, shards)
         return iteration
 
-    def sync_from_peers(self, plan) -> None:
-        """Give every replica of `plan` the current state of a live replica of the same layers:
-        each fragment's writer sends its shard, through the transport, to every worker of
-        `plan` that holds some of those layers."""
-        sources = [(wr.worker, wr.units, self._shard(wr)) for wr in self._writers()]
-        self.adopt(plan)
-        n = model_layers(plan.partition)
-        stages, transport = plan.schedule.stages, self.executor.transport
-        for dst in sorted(plan.holds):
-            ranges = [stage_units(plan.layers(d, s), s == 0, s == stages[d] - 1, n) for d, s in plan.holds[dst]]
-            wanted = [(src, units, shard) for src, units, shard in sources
-                      if any(lo < units[1] and units[0] < hi for lo, hi in ranges)]
-            for src, units, shard in wanted:
-                transport.send_state(units, shard, src, dst)
-            received = [transport.receive_state(units, src, dst) for src, units, _ in wanted]
-            self._load_all(plan, received, workers=[dst])
-
     def _load_all(self, plan, shards, workers=None) -> None:
         model = {k: v for s in shards for k, v in s["model"].items()}
         optim = {k: v for s in shards for k, v in s["optim"].items()}
@@ -249,29 +235,29 @@ class LocalEngine:
                     raise ResultError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
                                       "replica: every copy of it was lost") from None
 
-    def perform(self, actions, plan, iteration: int) -> int | None:
-        """Carry out a recovery; returns the iteration restored to (None: no rollback)."""
-        restored = None
-        for action in actions:
-            if isinstance(action, WaitForReplacement):
-                time.sleep(action.seconds)
-            elif isinstance(action, RestartJob):
-                self.build(plan)
-            elif isinstance(action, RestoreCheckpoint):
-                restored = self.restore(action.source, plan)
-            elif isinstance(action, SyncFromPeers):
-                self.sync_from_peers(plan)
-            elif isinstance(action, Rendezvous):
-                pass  # one process: no communicators to rebuild (the sim charges hardware.rendezvous_s)
-            elif isinstance(action, SaveCheckpoint):
-                self.save(iteration, action.mode)
-                if self.store is not None:
-                    self.store.wait()  # a restart must not begin before the files are complete
-            else:
-                raise TypeError(f"the local backend cannot perform {action!r}")
-        if self.plan is not plan:
-            self.adopt(plan)
-        return restored
+    def copy_replicas(self, copies, plan) -> None:
+        """Perform named state copies (ftbench.actions.Transfer) and continue with `plan`: each
+        source sends its replica's weights and AdamW state through the transport, as held now,
+        to the destination, which holds those layers in `plan`."""
+        n = model_layers(plan.partition)
+        outgoing = []
+        for c in copies:  # read every source before adopting: a source may change place in `plan`
+            src = self.workers.get(c.src)
+            if src is None or not src.alive or c.layers not in src.replicas:
+                raise RuntimeError(f"copy {c}: worker {c.src} holds no live replica of those layers")
+            units = stage_units(c.layers, c.embedding, c.head, n)
+            outgoing.append((c, units, src.replicas[c.layers].shard()))
+        created = set(self.adopt(plan))
+        missing = created - {(c.dst, c.layers) for c in copies}
+        if missing:
+            w, layers = min(missing)
+            raise RuntimeError(f"worker {w} takes layers {layers} but no copy gives them their state")
+        transport = self.executor.transport
+        for c, units, shard in outgoing:
+            transport.send_state(units, shard, c.src, c.dst)
+        for c, units, _ in outgoing:
+            received = transport.receive_state(units, c.src, c.dst)
+            self.workers[c.dst].replica(c.layers).load(received["model"], received["optim"])
 
     # -- results ------------------------------------------------------------------------
     def final_state(self) -> dict[str, torch.Tensor]:
