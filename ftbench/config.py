@@ -86,6 +86,7 @@ class BackendConfig:
     memoize: bool = True  # sim: simulate each distinct plan once
     dtype: str = "float32"  # local/dist: float32 | float64 (parameters, activations, optimizer state)
     clock: Optional[str] = None  # model | wall; None: model on sim, wall on local/dist (see ftbench/loop.py)
+    threads: Optional[int] = None  # local/dist: torch threads; None: from usable CPUs and model size (threads.py)
 
 
 @dataclass
