@@ -6,12 +6,18 @@ A checkpoint is one iteration's state split into named shards (one per pipeline 
     root/iter_{iteration:08d}/manifest.json    {"iteration", "format", "shards", "created"}
 
 The manifest is written last and atomically, so a folder without one is a partial write by
-definition. Loading verifies size and sha256 of every shard and falls back to the next older
-checkpoint, with a CheckpointWarning, when anything is off. One store owns its root: two
-stores (or processes) writing the same root are not supported.
+definition. Loading verifies size and sha256 of every shard (and, given `expected`, every
+parameter's name and shape) and falls back to the next older checkpoint when anything is off.
+A save that runs out of space (ENOSPC, EDQUOT, EFBIG) removes its partial folder and is
+skipped: training goes on and a restart falls back to the newest older checkpoint, which is
+kept. Any other failed write also removes its partial folder, then raises. Every skipped
+checkpoint (unusable on load, or not written) goes to `on_skip(reason, iteration)`; by default
+a CheckpointWarning. One store owns its root: two stores (or processes) writing the same root
+are not supported.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -34,6 +40,8 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 _FOLDER = re.compile(r"iter_(\d{8,})")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+# Write errors that mean "no room": the checkpoint is skipped, not the run ended.
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 @dataclass
@@ -42,6 +50,7 @@ class CheckpointInfo:
     path: Path  # the checkpoint's folder
     bytes: int  # total bytes written (shards and manifest)
     seconds: float  # wall time of the write (for async: of the persist)
+    skipped: str | None = None  # why nothing was written (disk full): no checkpoint at `iteration`
 
 
 class CheckpointWarning(UserWarning):
@@ -109,13 +118,24 @@ class PendingCheckpoint:
         return self._info
 
 
+def warn_skip(reason: str, iteration: int) -> None:
+    """The default `on_skip`: a CheckpointWarning."""
+    warnings.warn(CheckpointWarning(reason), stacklevel=3)
+
+
 class CheckpointStore:
-    def __init__(self, root: Path | str, keep: int = 2):
-        """`keep`: the newest complete checkpoints left on disk after each successful save."""
+    def __init__(self, root: Path | str, keep: int = 2,
+                 on_skip: Callable[[str, int], None] | None = None):
+        """`keep`: the newest complete checkpoints left on disk after each successful save.
+        `on_skip(reason, iteration)`: told of every checkpoint skipped, unusable on load or not
+        written for lack of space (default: `warn_skip`, a CheckpointWarning); a run loop
+        passes one that also logs a metrics line. A save skipped in the background persist
+        thread calls it from that thread."""
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self.root = Path(root)
         self.keep = keep
+        self.on_skip = on_skip if on_skip is not None else warn_skip
         self._pending: PendingCheckpoint | None = None
         # Shared by pruning (in the persist thread) and load(), so neither sees the other halfway.
         self._lock = threading.Lock()
@@ -181,6 +201,29 @@ class CheckpointStore:
     def _persist(self, iteration: int, shards: dict[str, dict]) -> CheckpointInfo:
         start = time.perf_counter()
         folder = self.folder(iteration)
+        try:
+            total = self._write(iteration, folder, shards)
+        except OSError as error:
+            # Never leave a folder without a manifest behind: it would read as a partial write.
+            with self._lock:
+                shutil.rmtree(folder, ignore_errors=True)
+            what = f"checkpoint iteration {iteration} could not be written to {folder}"
+            if error.errno not in NO_SPACE:
+                message = f"{what}: {error.strerror or error}"
+                # OSError(errno, text) gives the errno's subclass (PermissionError, ...) again
+                raise (OSError(error.errno, message) if error.errno is not None else OSError(message)) from error
+            reason = (f"{what}: {error.strerror or error}; skipped (training goes on, a restart falls back "
+                      "to the newest older checkpoint)")
+            self.on_skip(reason, iteration)
+            return CheckpointInfo(iteration, folder, 0, time.perf_counter() - start, skipped=reason)
+        seconds = time.perf_counter() - start
+
+        with self._lock:
+            self._prune(iteration)
+        return CheckpointInfo(iteration, folder, total, seconds)
+
+    def _write(self, iteration: int, folder: Path, shards: dict[str, dict]) -> int:
+        """Write the shards, then the manifest; the bytes written."""
         if folder.exists():
             # Re-saving an iteration replaces it; under the lock so load() never reads a mix.
             with self._lock:
@@ -205,12 +248,7 @@ class CheckpointStore:
         text = (json.dumps(manifest, indent=2) + "\n").encode()
         _write_file(folder / MANIFEST, text)
         fsync_dir(folder)
-        total += len(text)
-        seconds = time.perf_counter() - start
-
-        with self._lock:
-            self._prune(iteration)
-        return CheckpointInfo(iteration, folder, total, seconds)
+        return total + len(text)
 
     def _prune(self, saved: int) -> None:
         """Keep `saved` and the keep-1 newest complete checkpoints before it; drop the rest.
@@ -251,10 +289,15 @@ class CheckpointStore:
         """Iterations with a manifest on disk, newest first (not verified)."""
         return [it for it, folder in self._folders() if (folder / MANIFEST).is_file()]
 
-    def load(self, at_most: int | None = None) -> tuple[int, dict[str, dict]] | None:
+    def load(self, at_most: int | None = None, expected: dict | None = None
+             ) -> tuple[int, dict[str, dict]] | None:
         """The newest checkpoint (iteration <= at_most, if given) that verifies, or None.
 
-        Each unusable checkpoint on the way raises a CheckpointWarning naming the file at fault.
+        `expected`: {parameter name: shape} of the whole model being restored. When given, a
+        checkpoint must hold exactly those parameters (over all shards' "model" dicts), with
+        those shapes, and AdamW state only for them with matching tensor shapes; one written by
+        a model of another shape into the same folder is skipped like a corrupt one.
+        Each unusable checkpoint on the way goes to `on_skip`, naming the file at fault.
         """
         pending = self._pending
         # The folder a persist is writing right now has no manifest yet: not a fault.
@@ -264,11 +307,13 @@ class CheckpointStore:
                 if (at_most is not None and iteration > at_most) or iteration == busy:
                     continue
                 try:
-                    return iteration, self._read(iteration, folder)
+                    shards = self._read(iteration, folder)
+                    if expected is not None:
+                        _check_shapes(folder, shards, expected)
+                    return iteration, shards
                 except _Invalid as bad:
-                    warnings.warn(CheckpointWarning(
-                        f"checkpoint iteration {iteration} unusable: {bad.path}: {bad.reason}; "
-                        "falling back to the previous checkpoint"), stacklevel=2)
+                    self.on_skip(f"checkpoint iteration {iteration} unusable: {bad.path}: {bad.reason}; "
+                                 "falling back to the previous checkpoint", iteration)
         return None
 
     @staticmethod
@@ -331,3 +376,35 @@ class CheckpointStore:
                     shutil.rmtree(entry)
                 else:
                     entry.unlink()
+
+
+def _check_shapes(folder: Path, shards: dict, expected: dict) -> None:
+    """Raise _Invalid unless `shards` hold exactly the parameters of `expected` with its shapes."""
+    want = {name: tuple(shape) for name, shape in expected.items()}
+    seen: set[str] = set()
+    for shard_name, shard in shards.items():
+        path = folder / f"{shard_name}.pt"
+        model = shard.get("model") if isinstance(shard, dict) else None
+        optim = shard.get("optim", {}) if isinstance(shard, dict) else None
+        if not isinstance(model, dict) or not isinstance(optim, dict):
+            raise _Invalid(path, "not a shard of {'model': ..., 'optim': ...}")
+        for name, tensor in model.items():
+            if name not in want:
+                raise _Invalid(path, f"parameter {name!r} is not in the model being restored "
+                                     "(a checkpoint of another model shape?)")
+            shape = tuple(getattr(tensor, "shape", ()))
+            if not torch.is_tensor(tensor) or shape != want[name]:
+                raise _Invalid(path, f"parameter {name!r} has shape {list(shape)}, the model needs "
+                                     f"{list(want[name])} (a checkpoint of another model shape?)")
+            seen.add(name)
+        for name, state in optim.items():
+            if name not in want or not isinstance(state, dict):
+                raise _Invalid(path, f"optimizer state for {name!r}, which is not a parameter of the model")
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != want[name]:
+                    raise _Invalid(path, f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, "
+                                         f"the parameter has {list(want[name])}")
+    missing = sorted(set(want) - seen)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise _Invalid(folder, f"no shard holds parameter {missing[0]!r}{more}")

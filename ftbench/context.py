@@ -16,8 +16,11 @@ from ftbench.failures import KINDS as FAILURE_KINDS
 from ftbench.metrics import WandbSink
 from ftbench.plan import Plan, grid_plan
 from ftbench.schedule import GENERATORS, generate
-from models.data import KINDS as DATA_KINDS
 from models.specs import ModelSpec, resolve_model
+
+# models.data.KINDS, spelled out: importing models.data imports torch, which simulator runs never need
+# (tests/test_startup.py checks the two agree).
+DATA_KINDS = ("synthetic", "text")  # train.data
 
 DTYPES = ("float32", "float64")  # backend.dtype
 
@@ -40,6 +43,7 @@ class RunContext:
 
     @classmethod
     def from_config(cls, cfg) -> "RunContext":
+        _check_keys(cfg)
         _check_choices(cfg)
         m = cfg.model
         spec = resolve_model(m.name, layers=m.layers, hidden=m.hidden, heads=m.heads,
@@ -52,6 +56,7 @@ class RunContext:
         if t.max_hours is not None and t.max_hours <= 0:
             raise ConfigError("train.max_hours", f"must be positive, got {t.max_hours}",
                               "give a number of hours above zero, or null for no time limit")
+        _check_train(cfg, spec)
         seq_len = t.seq_len if t.seq_len is not None else spec.seq_len
         _positive("train.seq_len", seq_len)
         if seq_len > spec.seq_len:
@@ -88,6 +93,115 @@ def _plain(node):
 def _positive(setting: str, value) -> None:
     if value is None or value < 1:
         raise ConfigError(setting, f"must be at least 1, got {value}", f"set {setting} to a positive integer")
+
+
+# Above this many iterations a local run is refused: it keeps per-iteration records (losses)
+# in memory and trains every iteration for real; long horizons are the simulator's job.
+LOCAL_MAX_ITERATIONS = 10**7
+
+
+def schema_keys() -> list[str]:
+    """Every dotted setting the schemas define (for suggestions)."""
+    import dataclasses
+
+    from ftbench import config
+
+    out = []
+    for group, schema in (("model", config.ModelConfig), ("hardware", config.HardwareConfig),
+                          ("cluster", config.ClusterConfig), ("train", config.TrainConfig),
+                          ("schedule", config.ScheduleConfig), ("backend", config.BackendConfig),
+                          ("failures", config.FailuresConfig), ("strategy", config.ReCycleConfig),
+                          ("wandb", config.WandbConfig), ("report", config.ReportConfig)):
+        out += [f"{group}.{f.name}" for f in dataclasses.fields(schema)]
+    return out + ["seed"]
+
+
+def _check_keys(cfg) -> None:
+    """Refuse keys the schemas (ftbench.config) do not have. Hydra checks `group.key=value`
+    overrides against them, but `+group.key=value` adds a key whatever its name (that is what
+    `+` means), so a typo Hydra itself suggested (`+train.iters=5`) would be silently ignored."""
+    import dataclasses
+    import difflib
+
+    from omegaconf import ListConfig
+
+    known: list[str] = []  # every valid dotted key, for suggestions
+    unknown: list[tuple[str, list[str]]] = []  # (dotted key, its siblings)
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, ListConfig):
+            for i, item in enumerate(node):
+                if isinstance(item, (DictConfig, ListConfig)):
+                    walk(item, f"{prefix}[{i}]")
+            return
+        schema = OmegaConf.get_type(node)
+        fields = ([f.name for f in dataclasses.fields(schema)]
+                  if isinstance(schema, type) and dataclasses.is_dataclass(schema) else None)
+        if fields is not None:
+            known.extend(prefix + f for f in fields)
+        for key in node.keys():
+            name = f"{prefix}{key}"
+            if fields is not None and key not in fields and not (prefix == "" and key == "hydra"):
+                unknown.append((name, [prefix + f for f in fields]))
+                continue
+            child = node._get_node(key)
+            if isinstance(child, (DictConfig, ListConfig)) and not child._is_missing() and not child._is_none():
+                walk(child, f"{name}.")
+
+    if not isinstance(cfg, DictConfig):
+        return
+    walk(cfg, "")
+    if not unknown:
+        return
+    name, siblings = unknown[0]
+    leaf = name.rsplit(".", 1)[-1]
+
+    def closest(keys: list[str]) -> list[str]:  # compare last parts: the shared prefix says nothing
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in keys}
+        return [by_leaf[k] for k in difflib.get_close_matches(leaf, list(by_leaf), n=3, cutoff=0.6)]
+
+    # the same name under another group (`+iterations=5`), else close names among its
+    # siblings, else close names anywhere
+    elsewhere = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != name]
+    close = elsewhere[:3] or closest(siblings) or closest([k for k in known if "." in k])
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    where = name.rsplit(".", 1)[0] if "." in name else ""
+    valid = f"valid keys{' of ' + where if where else ''}: " + ", ".join(s.rsplit(".", 1)[-1] for s in siblings)
+    raise ConfigError(name, "no such setting (a key added with `+` is not checked by Hydra, and nothing reads it)",
+                      f"{hint}Set an existing key without `+`, e.g. {close[0] if close else siblings[0]}=...; "
+                      f"{valid}")
+
+
+def _check_train(cfg, spec: ModelSpec) -> None:
+    """Training settings that a backend would otherwise trip over with a traceback."""
+    import math
+
+    t = cfg.train
+    for key in ("lr", "weight_decay"):
+        value = getattr(t, key)
+        if value is None or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"train.{key}", f"must be a finite number >= 0, got {value}",
+                              f"set train.{key} to a non-negative value, e.g. train.{key}="
+                              f"{1e-3 if key == 'lr' else 0.01}")
+    if t.seq_len is not None and t.seq_len == 1:
+        raise ConfigError("train.seq_len", "1 token per sample leaves nothing to predict: the loss is next-token "
+                          "prediction and needs at least 2 tokens", "use train.seq_len >= 2")
+    if t.seq_len is None and spec.seq_len < 2:
+        raise ConfigError("model.seq_len", f"{spec.seq_len} token per sample leaves nothing to predict: the loss is "
+                          "next-token prediction and needs at least 2 tokens", "use model.seq_len >= 2")
+    if t.data == "text":
+        if spec.vocab < 256:
+            raise ConfigError("model.vocab", f"train.data=text uses byte-level tokens (256 values) but {spec.name} "
+                              f"has a vocabulary of {spec.vocab}",
+                              "set model.vocab=256 (or more), or use train.data=synthetic")
+        if not t.data_path:
+            raise ConfigError("train.data_path", "train.data=text needs a local text file",
+                              "set train.data_path=<file>, or use train.data=synthetic")
+    if cfg.backend.name != "sim" and t.iterations is not None and t.iterations > LOCAL_MAX_ITERATIONS:
+        raise ConfigError("train.iterations", f"{t.iterations} iterations on backend={cfg.backend.name}: real "
+                          f"training is for small iteration counts (at most {LOCAL_MAX_ITERATIONS:,}) and keeps "
+                          "a record per iteration in memory",
+                          "use backend=sim for long horizons, or give fewer train.iterations")
 
 
 def _check_choices(cfg) -> None:

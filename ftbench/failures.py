@@ -42,6 +42,8 @@ class FailureScript:
     by_time: Iterator[FailureEvent]  # time-ordered, may be lazy and unbounded
     initial_nodes: int | None = None  # trace only: nodes the trace starts with (adds at t=0)
     description: str = ""  # one line for logs and reports
+    # scripted only: the events of `by_time` as a list (the iterator cannot be looked at twice)
+    scripted_by_time: tuple[FailureEvent, ...] = ()
 
 
 def take_until(events: Iterable[FailureEvent], horizon_s: float) -> list[FailureEvent]:
@@ -63,8 +65,44 @@ OWNED_SETTINGS = {"events": "scripted", "every": "interval", "mtbf_hours": "pois
                   "repair_hours": "poisson", "path": "trace"}
 
 
-def build_failure_script(cfg, num_nodes: int, seed: int) -> FailureScript:
-    """The failure script for a `FailuresConfig` (or a DictConfig with the same fields)."""
+def build_failure_script(cfg, num_nodes: int, seed: int, iterations: int | None = None,
+                         max_hours: float | None = None) -> FailureScript:
+    """The failure script for a `FailuresConfig` (or a DictConfig with the same fields).
+
+    With `iterations` (and `max_hours`) given, scripted events that can never fire in such a
+    run are refused (`check_reachable`)."""
+    script = _build(cfg, num_nodes, seed)
+    if iterations is not None:
+        check_reachable(script, iterations, max_hours)
+    return script
+
+
+def check_reachable(script: FailureScript, iterations: int, max_hours: float | None = None) -> FailureScript:
+    """Refuse scripted events a run of `iterations` iterations (and at most `max_hours`
+    hours) never reaches: they would be silently dropped. Iterations are numbered from 0, so
+    an event at iteration `iterations` or later never fires (a join scripted "at iteration k"
+    takes effect before iteration k, which does not exist either). Timed events are checked
+    against `max_hours` only: without it, when the run ends is not known before it runs.
+    Streams (interval, poisson, trace) may run past the end by design and are not checked.
+    Returns `script`."""
+    for event in script.by_iteration:
+        if event.iteration >= iterations:
+            raise ConfigError("failures.events",
+                              f"the {event.kind} of node {event.node} at iteration {event.iteration} never happens: "
+                              f"the run has iterations 0..{iterations - 1} (train.iterations={iterations})",
+                              f"script events at iterations below {iterations}, or raise train.iterations")
+    if max_hours is not None:
+        horizon_s = max_hours * 3600.0
+        for event in script.scripted_by_time:
+            if event.time_s > horizon_s:
+                raise ConfigError("failures.events",
+                                  f"the {event.kind} of node {event.node} at time_s {event.time_s:g} never happens: "
+                                  f"the run stops at train.max_hours={max_hours:g} ({horizon_s:g} s)",
+                                  f"script events at time_s <= {horizon_s:g}, or raise train.max_hours")
+    return script
+
+
+def _build(cfg, num_nodes: int, seed: int) -> FailureScript:
     kind = _get(cfg, "kind") or "none"
     if kind not in KINDS:
         raise ConfigError("failures", f"unknown kind '{kind}'",
@@ -123,6 +161,7 @@ def _count_text(count: int | None) -> str:
 
 def _scripted(events, num_nodes: int) -> FailureScript:
     by_iteration, by_time = [], []
+    joined = {_get(ev, "node") for ev in events if (_get(ev, "kind") or "fail") == "join"}
     for i, ev in enumerate(events):
         setting = f"failures.events[{i}]"
         node, kind = _get(ev, "node"), _get(ev, "kind") or "fail"
@@ -134,10 +173,12 @@ def _scripted(events, num_nodes: int) -> FailureScript:
             raise ConfigError(setting, f"kind '{kind}' is not fail or join", "use kind: fail or kind: join")
         if node is None or node < 0:
             raise ConfigError(setting, f"node {node} is not a node id", "give a node id >= 0")
-        # A join may name a new id (a node that was not in the job); a fail must hit an existing one.
-        if kind == "fail" and node >= num_nodes:
-            raise ConfigError(setting, f"node {node} fails but the cluster has nodes 0..{num_nodes - 1}",
-                              f"pick a node below {num_nodes}")
+        # A join may name a new id (a node that was not in the job); a fail must hit an existing
+        # one, or one a scripted join brings in.
+        if kind == "fail" and node >= num_nodes and node not in joined:
+            raise ConfigError(setting, f"node {node} fails but the cluster has nodes 0..{num_nodes - 1} "
+                              "(and no scripted join brings that node in)",
+                              f"pick a node below {num_nodes}, or raise cluster.nodes")
         if iteration is not None:
             if iteration < 0:
                 raise ConfigError(setting, f"iteration {iteration} is negative", "give an iteration >= 0")
@@ -151,7 +192,7 @@ def _scripted(events, num_nodes: int) -> FailureScript:
     by_time.sort(key=lambda e: e.time_s)
     return FailureScript(by_iteration, iter(by_time),
                          description=f"scripted, {len(by_iteration)} events by iteration, "
-                                     f"{len(by_time)} by time")
+                                     f"{len(by_time)} by time", scripted_by_time=tuple(by_time))
 
 
 # --- interval ------------------------------------------------------------------------------
@@ -267,6 +308,11 @@ def read_trace(path) -> tuple[int, list[FailureEvent]]:
     except OSError as err:
         raise ConfigError("failures.path", f"cannot read '{path}': {err.strerror}",
                           "give a readable CSV trace file") from None
+    except UnicodeDecodeError as err:
+        line = err.object[:err.start].count(b"\n") + 1
+        raise ConfigError("failures.path", f"'{path}' is not UTF-8 text (byte 0x{err.object[err.start]:02x} at "
+                          f"offset {err.start}, line {line}); it is probably not a trace",
+                          "give a CSV text file of `milliseconds,add|remove,nodeN` rows, saved as UTF-8") from None
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line:

@@ -93,8 +93,8 @@ def make_source(kind: str, spec, seq_len: int, seed: int, path=None):
         return SyntheticTokens(spec.vocab, seq_len, seed)
     if kind == "text":
         if spec.vocab < 256:
-            raise ValueError(f"model {spec.name} has vocab {spec.vocab}; the model's vocab "
-                             "must be at least 256 for byte-level text")
+            raise ValueError(f"model {spec.name} has vocab {spec.vocab}; byte-level text needs "
+                             "model.vocab to be at least 256")
         if path is None:
             raise ValueError("text data needs a path to a local text file")
         return TextFileTokens(path, seq_len, seed)

@@ -111,6 +111,9 @@ def resolve_model(name: str, **overrides) -> ModelSpec:
         if getattr(spec, key) <= 0:
             raise ConfigError(f"model.{key}", f"must be positive, got {getattr(spec, key)}",
                               f"set model.{key} to a positive integer")
+    if spec.vocab < 2:
+        raise ConfigError("model.vocab", f"a vocabulary of {spec.vocab} token leaves nothing to predict",
+                          "set model.vocab >= 2 (gpt-tiny's is 256), or drop it for the model's own")
     if spec.hidden % spec.heads:
         raise ConfigError("model.heads", f"hidden {spec.hidden} is not divisible by {spec.heads} heads",
                           "pick a head count that divides model.hidden")

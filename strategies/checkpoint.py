@@ -38,6 +38,10 @@ class CheckpointRestart:
         if self.every is not None and self.every < 1:
             raise ConfigError("strategy.every", f"must be at least 1 iteration, got {self.every}",
                               "set strategy.every to a positive number of iterations, or null for the tuned interval")
+        keep = getattr(cfg, "keep", None)
+        if keep is not None and keep < 1:
+            raise ConfigError("strategy.keep", f"must be at least 1 checkpoint, got {keep}",
+                              "set strategy.keep >= 1: a restart reloads the newest checkpoint kept on storage")
         if self.every is None and self._needs_mtbf() and self.mtbf_hours is None:
             raise ConfigError("strategy.every", "null asks for the Young/Daly interval, which needs the node MTBF",
                               "set strategy.mtbf_hours (or use failures=poisson with failures.mtbf_hours), "

@@ -214,7 +214,10 @@ class LocalEngine:
             shards = [c["shard"] for c in commits if c["iteration"] == iteration]
         else:
             self.adopt(plan)
-            loaded = self.store.load() if self.store is not None else None
+            # Only a checkpoint whose every parameter has the shape this model needs is usable.
+            expected = {n: tuple(p.shape) for w in plan.holds for r in self.workers[w].replicas.values()
+                        for n, p in r.named_parameters().items()}
+            loaded = self.store.load(expected=expected) if self.store is not None else None
             if loaded is None:
                 warnings.warn("no usable checkpoint: restarting from the initial weights (iteration 0)")
                 self.build(plan)

@@ -6,6 +6,11 @@ to renaming pipelines share one plan), so a failure only switches to a stored pl
 JSON files named by a hash of everything they depend on (grid, micro-batches, op times,
 placement, failed positions, B/W split, planner and its version, MILP time limit), so a
 changed setting never reuses a stale plan.
+
+The disk cache is optional. A plan read from it is checked against its problem (`check_orders`:
+every surviving worker, exactly its ops, each worker's order and the workers together free of
+deadlock); one that does not fit is planned again and overwritten. A cache folder that cannot
+be written costs one PlanCacheWarning, then plans stay in memory only.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import json
 import math
 import os
 import time
+import warnings
+from collections import Counter, deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,6 +34,10 @@ METHODS = ("heuristic", "milp", "auto")
 # `auto` solves the MILP only for instances this small (ops of one iteration); above it the
 # MILP would not finish in the time limit, and the heuristic is within a few percent.
 AUTO_MILP_MAX_OPS = 200
+
+
+class PlanCacheWarning(UserWarning):
+    """The on-disk plan cache could not be used; planning carried on without it."""
 
 
 @dataclass
@@ -67,12 +78,28 @@ class PlanLibrary:
         method = self.method_for(problem)
         path = self._path(problem, method)
         plan = _load(path) if path is not None else None
+        if plan is not None:
+            problem_found = check_orders(problem, plan.orders)
+            if problem_found is not None:
+                warnings.warn(PlanCacheWarning(f"cached plan {path} does not fit its problem ({problem_found}); "
+                                               "planning again"), stacklevel=2)
+                plan = None
         if plan is None:
             plan = self._compute(problem, method)
             if path is not None:
-                _store(path, plan)
+                self._store(path, plan)
         self._plans[form] = plan
         return plan
+
+    def _store(self, path: Path, plan: StoredPlan) -> None:
+        try:
+            _store(path, plan)
+        except OSError as error:
+            # The cache only saves planning time: warn once, then keep plans in memory only.
+            warnings.warn(PlanCacheWarning(f"cannot write the plan cache {self.cache_dir} ({error.strerror or error}); "
+                                           "plans are kept in memory only (set strategy.plan_cache to a writable "
+                                           "folder, or null)"), stacklevel=3)
+            self.cache_dir = None
 
     def _path(self, problem: PlanningProblem, method: str) -> Path | None:
         if self.cache_dir is None:
@@ -118,6 +145,54 @@ def forms_up_to(threshold: int, pp: int, dp: int, gpus_per_node: int, placement:
     return sorted(forms, key=lambda f: (sum(map(len, f)), f))
 
 
+def check_orders(problem: PlanningProblem, orders) -> str | None:
+    """Why per-worker `orders` are not a plan of `problem` (None: they are): every surviving
+    worker has an order, no other position has one, each order holds exactly the worker's
+    F/B/W (or BW) ops, and the ops can run (dependencies and each worker's order have no cycle,
+    so no deadlock)."""
+    workers = set(problem.workers)
+    if not isinstance(orders, dict) or set(orders) != workers:
+        got = set(orders) if isinstance(orders, dict) else set()
+        extra, missing = sorted(got - workers), sorted(workers - got)
+        return (f"orders for positions {extra} outside the surviving workers" if extra
+                else f"no order for workers {missing}")
+    runner = {}
+    for pos, order in orders.items():
+        want = Counter(problem.ops_of(pos))
+        try:
+            have = Counter(order)
+        except TypeError:  # e.g. a list where a number belongs: unhashable
+            return f"worker {pos}: malformed ops"
+        if have != want:
+            wrong = sorted(map(str, (have - want).elements()))[:3]
+            lost = sorted(map(str, (want - have).elements()))[:3]
+            return f"worker {pos}: " + (f"ops {wrong} that it does not run" if wrong else f"ops {lost} missing")
+        runner.update({op: pos for op in order})
+    # Kahn's algorithm over dependencies + each worker's own order: all ops must come out.
+    successors: dict = {op: [] for op in runner}
+    indegree = {op: 0 for op in runner}
+    for order in orders.values():
+        for before, after in zip(order, order[1:]):
+            successors[before].append(after)
+            indegree[after] += 1
+    for op in runner:
+        for dep in problem.dependencies(op):
+            successors[dep].append(op)
+            indegree[op] += 1
+    ready = deque(op for op, n in indegree.items() if n == 0)
+    done = 0
+    while ready:
+        op = ready.popleft()
+        done += 1
+        for nxt in successors[op]:
+            indegree[nxt] -= 1
+            if indegree[nxt] == 0:
+                ready.append(nxt)
+    if done != len(runner):
+        return "the orders deadlock (an op waits, directly or not, for one ordered after it)"
+    return None
+
+
 # -- the on-disk format -------------------------------------------------------------------
 
 def _store(path: Path, plan: StoredPlan) -> None:
@@ -125,17 +200,25 @@ def _store(path: Path, plan: StoredPlan) -> None:
     data = {"method": plan.method, "iteration_s": plan.iteration_s, "seconds": plan.seconds, "status": plan.status,
             "orders": [[d, s, [list(op) for op in ops]] for (d, s), ops in sorted(plan.orders.items())]}
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)  # atomic: a concurrent sweep never reads half a plan
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)  # atomic: a concurrent sweep never reads half a plan
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _load(path: Path) -> StoredPlan | None:
     try:
         data = json.loads(path.read_text())
-        orders = {(d, s): [Op(*op) for op in ops] for d, s, ops in data["orders"]}
-        return StoredPlan(orders, data["method"], data["iteration_s"], data["seconds"], data["status"], cached=True)
+        orders = {(int(d), int(s)): [Op(*op) for op in ops] for d, s, ops in data["orders"]}
+        plan = StoredPlan(orders, str(data["method"]), float(data["iteration_s"]), float(data["seconds"]),
+                          str(data["status"]), cached=True)
     except (OSError, ValueError, KeyError, TypeError):
         return None  # missing or unreadable: plan again
+    if not (math.isfinite(plan.iteration_s) and plan.iteration_s > 0):
+        return None
+    return plan
 
 
-__all__ = ["PlanLibrary", "PlanningError", "StoredPlan", "forms_up_to", "METHODS"]
+__all__ = ["PlanLibrary", "PlanCacheWarning", "PlanningError", "StoredPlan", "check_orders", "forms_up_to", "METHODS"]

@@ -1,0 +1,290 @@
+"""Bad input and harness faults: each ends with one clear message naming the
+setting to fix, or, for faults the harness can work around (an unwritable or wrong plan cache,
+a checkpoint of another model shape, a full disk), a warning and a run that goes on."""
+import errno
+import json
+import warnings
+
+import pytest
+import torch
+
+import ftbench.checkpoint as ckpt
+from ftbench.checkpoint import CheckpointStore, CheckpointWarning
+from ftbench.failures import FailureEvent, FailureScript, check_reachable
+from ftbench.planning.library import PlanCacheWarning, PlanLibrary, check_orders
+from ftbench.planning.problem import PlanningProblem, StageTimes
+from ftbench.schedule import Op
+
+from conftest import LOCAL, run
+
+SIM = ("backend=sim", "model=gpt3-medium", "strategy=none", "failures=none", "train.iterations=5",
+       "report.gantt=false")
+
+
+def assert_config_error(summary: dict, setting: str, *words: str) -> None:
+    assert summary["status"] == "error", summary
+    assert summary["error"].startswith(f"Invalid setting `{setting}`:"), summary["error"]
+    for word in words:
+        assert word in summary["error"], summary["error"]
+
+
+# -- settings that used to end in a traceback --------------------------------------------
+
+@pytest.mark.parametrize("override,setting", [("train.lr=-1", "train.lr"),
+                                              ("train.lr=nan", "train.lr"),
+                                              ("train.weight_decay=-0.1", "train.weight_decay")])
+def test_negative_optimizer_settings(tmp_path, override, setting):
+    assert_config_error(run(tmp_path, *SIM, override), setting, ">= 0")
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "checkfreq", "varuna", "recycle"])
+def test_keep_zero(tmp_path, strategy):
+    s = run(tmp_path, *SIM, f"strategy={strategy}", "strategy.keep=0", "strategy.every=4")
+    assert_config_error(s, "strategy.keep", "at least 1")
+
+
+def test_huge_iteration_count_on_local_is_refused(tmp_path):
+    s = run(tmp_path, *LOCAL, "strategy=none", "failures=none", "train.iterations=1000000000000")
+    assert_config_error(s, "train.iterations", "backend=sim", "small iteration counts")
+
+
+def test_huge_iteration_count_on_sim_is_fine(tmp_path):
+    s = run(tmp_path, *SIM, "train.iterations=1000000000000", "train.max_hours=1")
+    assert s["status"] == "ok" and 0 < s["iterations"] < 10**12
+
+
+def test_trace_that_is_not_utf8(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_bytes(b"0,add,node0\n1000,remove,n\xe9ode0\n")
+    s = run(tmp_path / "run", *SIM, "failures=trace", f"failures.path={trace}")
+    assert_config_error(s, "failures.path", "not UTF-8", "line 2")
+
+
+# -- the setting at fault is named ---------------------------------------------------------
+
+def test_one_token_samples(tmp_path):
+    assert_config_error(run(tmp_path, *SIM, "train.seq_len=1"), "train.seq_len", "at least 2 tokens")
+
+
+def test_one_token_model_context(tmp_path):
+    assert_config_error(run(tmp_path, *SIM, "model.seq_len=1"), "model.seq_len", "at least 2 tokens")
+
+
+def test_one_token_vocabulary(tmp_path):
+    assert_config_error(run(tmp_path, *SIM, "model.vocab=1"), "model.vocab", "model.vocab >= 2")
+
+
+def test_text_data_needs_a_byte_vocabulary(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    s = run(tmp_path / "run", *LOCAL, "strategy=none", "failures=none", "model.vocab=100", "train.data=text",
+            f"train.data_path={text}")
+    assert_config_error(s, "model.vocab", "256")
+
+
+def test_text_data_needs_a_path(tmp_path):
+    s = run(tmp_path, *LOCAL, "strategy=none", "failures=none", "train.data=text")
+    assert_config_error(s, "train.data_path", "text file")
+
+
+# -- events that can never fire ----------------------------------------------------------
+
+def test_event_after_the_last_iteration(tmp_path):
+    s = run(tmp_path, *SIM, "failures=scripted", "failures.events=[{iteration:50,node:1}]", "train.iterations=3")
+    assert_config_error(s, "failures.events", "iteration 50", "0..2")
+
+
+def test_event_at_the_iteration_count_never_fires(tmp_path):
+    s = run(tmp_path, *SIM, "failures=scripted", "failures.events=[{iteration:3,node:1,kind:join}]",
+            "train.iterations=3")
+    assert_config_error(s, "failures.events", "iteration 3")
+
+
+def test_event_after_max_hours(tmp_path):
+    s = run(tmp_path, *SIM, "failures=scripted", "failures.events=[{time_s:99999,node:1}]", "train.max_hours=1",
+            "train.iterations=1000000")
+    assert_config_error(s, "failures.events", "time_s 99999", "train.max_hours=1")
+
+
+def test_reachable_events_pass():
+    script = FailureScript([FailureEvent(1, iteration=2)], iter(()),
+                           scripted_by_time=(FailureEvent(1, time_s=3600.0),))
+    assert check_reachable(script, 3, 1.0) is script
+    assert check_reachable(script, 3, None) is script  # no time limit: when the run ends is not known
+
+
+def test_failure_of_a_node_that_does_not_exist(tmp_path):
+    s = run(tmp_path, *SIM, "failures=scripted", "failures.events=[{iteration:1,node:99}]")
+    assert_config_error(s, "failures.events[0]", "node 99", "0..7")
+
+
+def test_failure_of_a_node_a_join_brings_in(tmp_path):
+    s = run(tmp_path, *SIM, "failures=scripted", "failures.events=[{iteration:1,node:8,kind:join},{iteration:3,node:8}]")
+    assert s["status"] == "ok", s["error"]
+
+
+# -- unknown keys added with `+` ---------------------------------------------------------
+
+@pytest.mark.parametrize("override,setting,suggestion", [
+    ("+train.iters=5", "train.iters", "train.iterations"),
+    ("+strategy.kep=3", "strategy.kep", "strategy.keep"),
+    ("+iterations=5", "iterations", "train.iterations"),
+])
+def test_unknown_key_added_with_plus(tmp_path, override, setting, suggestion):
+    s = run(tmp_path, *SIM, "strategy=checkpoint", override)
+    assert_config_error(s, setting, f"did you mean {suggestion}", "no such setting")
+
+
+# -- the ReCycle plan cache --------------------------------------------------------------
+
+RECYCLE = (*SIM, "strategy=recycle", "cluster.dp=3", "failures=scripted", "failures.events=[{iteration:2,node:1}]")
+
+
+def test_unwritable_plan_cache_warns_once_and_goes_on(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder's parent should be")
+    with pytest.warns(PlanCacheWarning) as caught:
+        s = run(tmp_path / "run", *RECYCLE, f"strategy.plan_cache={blocker / 'cache'}")
+    assert s["status"] == "ok", s["error"]
+    assert len([w for w in caught if issubclass(w.category, PlanCacheWarning)]) == 1
+    assert "memory only" in str(caught[0].message)
+
+
+def small_problem() -> PlanningProblem:
+    return PlanningProblem(pp=2, dp=2, microbatches=2, stages=(StageTimes(1.0, 1.0, 1.0, 0.5, 0.5),) * 2)
+
+
+def wrong_orders(kind: str, orders: list) -> list:
+    """A cached `orders` list ([d, s, ops] rows) spoiled one way."""
+    rows = json.loads(json.dumps(orders))
+    if kind == "position":
+        rows.append([7, 9, rows[0][2]])  # a worker that does not exist
+    elif kind == "op kind":
+        rows[0][2][0][0] = "X"
+    elif kind == "missing op":
+        rows[0][2].pop()
+    elif kind == "deadlock":
+        rows[0][2].reverse()  # backward before forward on one worker
+    elif kind == "malformed":
+        rows[0][2][0][1] = [0]
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["position", "op kind", "missing op", "deadlock", "malformed"])
+def test_wrong_cached_plan_is_replanned_and_overwritten(tmp_path, kind):
+    problem = small_problem()
+    first = PlanLibrary(problem, cache_dir=tmp_path)
+    form = ((), ())
+    good = first.get(form)
+    [path] = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    data["orders"] = wrong_orders(kind, data["orders"])
+    path.write_text(json.dumps(data))
+
+    with pytest.warns(PlanCacheWarning, match="does not fit"):
+        again = PlanLibrary(problem, cache_dir=tmp_path).get(form)
+    assert not again.cached and again.orders == good.orders
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reread = PlanLibrary(problem, cache_dir=tmp_path).get(form)  # the file was overwritten
+    assert reread.cached and reread.orders == good.orders
+
+
+def test_check_orders_accepts_a_planned_problem():
+    problem = small_problem()
+    orders = PlanLibrary(problem).get(((), ())).orders
+    assert check_orders(problem, orders) is None
+    assert "no order" in check_orders(problem, {k: v for k, v in list(orders.items())[1:]})
+
+
+# -- checkpoints -------------------------------------------------------------------------
+
+def shard(hidden: int, layer: int = 0) -> dict:
+    w = torch.randn(hidden, hidden)
+    return {"model": {f"h.{layer}.w": w, f"h.{layer}.b": torch.randn(hidden)},
+            "optim": {f"h.{layer}.w": {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(w)}}}
+
+
+def shapes(hidden: int) -> dict:
+    return {f"h.{i}.w": (hidden, hidden) for i in range(2)} | {f"h.{i}.b": (hidden,) for i in range(2)}
+
+
+def test_checkpoint_of_another_shape_falls_back_to_an_older_one(tmp_path):
+    skipped = []
+    store = CheckpointStore(tmp_path, keep=3, on_skip=lambda reason, it: skipped.append((it, reason)))
+    store.save(4, {"stage0": shard(8, 0), "stage1": shard(8, 1)})
+    store.save(8, {"stage0": shard(16, 0), "stage1": shard(16, 1)})  # same names, another model's shapes
+    iteration, loaded = store.load(expected=shapes(8))
+    assert iteration == 4 and loaded["stage0"]["model"]["h.0.w"].shape == (8, 8)
+    assert [it for it, _ in skipped] == [8] and "shape [16, 16]" in skipped[0][1]
+    assert store.load()[0] == 8  # without `expected`, hashes alone decide (as before)
+
+
+@pytest.mark.parametrize("spoil,words", [
+    (lambda s: s["stage1"]["model"].pop("h.1.b"), "no shard holds parameter 'h.1.b'"),
+    (lambda s: s["stage1"]["model"].update({"h.9.w": torch.zeros(8, 8)}), "'h.9.w' is not in the model"),
+    (lambda s: s["stage0"]["optim"]["h.0.w"].update({"exp_avg": torch.zeros(3)}), "optimizer state 'exp_avg'"),
+])
+def test_checkpoint_that_does_not_fit_is_skipped_with_a_warning(tmp_path, spoil, words):
+    store = CheckpointStore(tmp_path)
+    shards = {"stage0": shard(8, 0), "stage1": shard(8, 1)}
+    spoil(shards)
+    store.save(4, shards)
+    with pytest.warns(CheckpointWarning, match=words.replace("[", r"\[").replace("]", r"\]")):
+        assert store.load(expected=shapes(8)) is None
+
+
+def disk_full_at(monkeypatch, folder: str, file: str = "manifest.json", code: int = errno.ENOSPC):
+    real = ckpt._write_file
+
+    def write(path, data):
+        if folder in str(path) and path.name == file:
+            raise OSError(code, "No space left on device" if code == errno.ENOSPC else "I/O error")
+        real(path, data)
+
+    monkeypatch.setattr(ckpt, "_write_file", write)
+
+
+def test_full_disk_skips_the_checkpoint_and_removes_its_folder(tmp_path, monkeypatch):
+    skipped = []
+    store = CheckpointStore(tmp_path, on_skip=lambda reason, it: skipped.append((it, reason)))
+    store.save(4, {"stage0": shard(8)})
+    disk_full_at(monkeypatch, "iter_00000008")
+    info = store.save(8, {"stage0": shard(8)})  # the shard lands, the manifest does not
+    assert info.skipped and "No space left" in info.skipped
+    assert not (tmp_path / "iter_00000008").exists()  # no folder without a manifest is left
+    assert [it for it, _ in skipped] == [8]
+    assert store.load()[0] == 4  # the older checkpoint is kept
+
+    pending = store.save_async(8, {"stage0": shard(8)})
+    assert pending.result().skipped and not (tmp_path / "iter_00000008").exists()
+
+
+def test_full_disk_warns_by_default(tmp_path, monkeypatch):
+    disk_full_at(monkeypatch, "iter_00000001", file="stage0.pt")
+    with pytest.warns(CheckpointWarning, match="could not be written"):
+        CheckpointStore(tmp_path).save(1, {"stage0": shard(8)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_other_write_errors_raise_and_leave_no_partial_folder(tmp_path, monkeypatch):
+    disk_full_at(monkeypatch, "iter_00000001", code=errno.EIO)
+    with pytest.raises(OSError, match="checkpoint iteration 1 could not be written") as err:
+        CheckpointStore(tmp_path).save(1, {"stage0": shard(8)})
+    assert err.value.errno == errno.EIO
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_local_run_goes_on_when_the_disk_is_full(tmp_path, monkeypatch):
+    # The checkpoint before the failure (iteration 4) cannot be written: the restart falls back
+    # to the initial weights and the run still trains the fault-free model.
+    disk_full_at(monkeypatch, "iter_00000004")
+    with pytest.warns(CheckpointWarning, match="could not be written"):
+        s = run(tmp_path, *LOCAL, "strategy=checkpoint", "cluster.spares=1", "report.check_fault_free=true")
+    assert s["status"] == "ok", s["error"]
+    assert s["matches_fault_free"] is True
+    assert s["recoveries"][0]["restored_iteration"] == 0
+    from ftbench.metrics import read_metrics
+
+    skipped = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["event"] == "checkpoint_skipped"]
+    assert {r["iteration"] for r in skipped} == {4} and "could not be written" in skipped[0]["reason"]
