@@ -1,7 +1,17 @@
-"""Reading results: Gantt charts of one iteration, a console summary of one run, and tables
-(Markdown or CSV) over many run folders.
+"""Reading results: Gantt charts of one iteration, a console summary of one run, tables
+(Markdown or CSV) over many run folders, and the sweep helpers behind them (`swept_keys`,
+which the CLI records in each summary, and `SweepCheck`, the Hydra callback that makes a
+sweep with no "ok" job exit non-zero).
 
-CLI: `python -m ftbench.report RUN_OR_SWEEP_DIR... [--csv] [--out FILE]`.
+CLI: `python -m ftbench.report RUN_OR_SWEEP_DIR... [--csv] [--out FILE] [--columns A,B]
+[--per-run]`. Default columns: strategy, one per swept key, model, schedule, backend, pp, dp,
+microbatches, iterations, time, iteration time, throughput, failures, recovery total, lost
+iterations, status. Times are in the run's clock, named in the header: `sim s` (the cost
+model: sim, or local with backend.clock=model) or `wall s` (measured); a table that mixes
+them says `s` and adds a `clock` column. Iteration time: sim, one iteration of the first plan;
+local, the median over its iterations (metrics.jsonl). Runs that differ only in the seed
+share a row: numbers that differ show mean ± sample standard deviation (`--per-run`: no
+grouping).
 """
 from __future__ import annotations
 
@@ -10,12 +20,16 @@ import csv
 import io
 import json
 import re
+import statistics
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
-from ftbench.metrics import SUMMARY_FILE, peak_memory_max, recovery_totals
+from hydra.experimental.callback import Callback
+
+from ftbench.metrics import METRICS_FILE, SUMMARY_FILE, peak_memory_max, read_metrics, recovery_totals
 
 KIND_COLOURS: dict[str, str] = {
     "F": "#4C72B0",    # forward: blue
@@ -31,7 +45,8 @@ MAX_ROWS = 64  # rows drawn before the chart keeps only the first and last halve
 MAX_LABELS = 4000  # micro-batch numbers written at most; more only slows drawing down
 
 DEFAULT_COLUMNS = ["strategy", "model", "schedule", "backend", "pp", "dp", "microbatches", "iterations",
-                   "time_s", "throughput", "failures", "status"]
+                   "time_s", "iteration_s", "throughput", "failures", "recovery_s", "lost_iterations",
+                   "status"]
 
 
 # --------------------------------------------------------------------------- Gantt chart
@@ -318,6 +333,12 @@ def _or_dash(value: Any) -> str:
     return "-" if value is None or value == "" else str(value)
 
 
+def _final_shape(s: dict) -> str:
+    """' (ended pp=4 dp=1)' when the run ended in another shape than it started in."""
+    final = s.get("final_shape")
+    return f" (ended {final})" if final and final != f"pp={s.get('pp')} dp={s.get('dp')}" else ""
+
+
 def format_summary(summary: dict) -> str:
     """A short aligned table of one run for the console."""
     s = summary
@@ -338,7 +359,7 @@ def format_summary(summary: dict) -> str:
         ("strategy", _or_dash(s.get("strategy"))),
         ("backend", _or_dash(s.get("backend"))),
         ("model", _or_dash(s.get("model"))),
-        ("pp x dp", f"{_or_dash(s.get('pp'))} x {_or_dash(s.get('dp'))}"),
+        ("pp x dp", f"{_or_dash(s.get('pp'))} x {_or_dash(s.get('dp'))}" + _final_shape(s)),
         ("micro-batches", microbatches),
         ("iterations", iterations),
         ("simulated time" if sim else "wall time", human_duration(s.get("time_s"))),
@@ -401,6 +422,170 @@ def load_runs(paths: list[str | Path]) -> list[dict]:
     return runs
 
 
+# --------------------------------------------------------------------------- overrides and sweeps
+
+SEED_KEYS = ("seed", "failures.seed")  # runs that differ only in these are repeats of one setup
+# Swept keys an always-shown column already displays under another name.
+COLUMN_ALIASES = {"cluster.dp": "dp", "cluster.pp": "pp", "train.microbatches": "microbatches"}
+MULTIRUN_FILE = "multirun.yaml"  # Hydra writes it into the sweep folder before launching any job
+
+
+def _scalar(text: str) -> Any:
+    """An override's value as typed: numbers become numbers, anything else stays text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except (TypeError, ValueError):
+            continue
+    return text
+
+
+def override_map(overrides: Iterable[str] | None) -> dict[str, Any]:
+    """{"strategy.level": "reroute", "cluster.dp": 4, ...} from ["strategy.level=reroute", ...];
+    `+`/`++`/`~` prefixes are dropped (a `~key` deletion maps to None)."""
+    values: dict[str, Any] = {}
+    for item in overrides or []:
+        key, sep, value = str(item).partition("=")
+        key = key.strip().lstrip("+~")
+        if key:
+            values[key] = _scalar(value) if sep else None
+    return values
+
+
+def swept_keys(sweep_dir: Path | str) -> list[str]:
+    """The keys a Hydra --multirun sweep varies, in the order given: overrides with several
+    values (`a=1,2`, `range()`, `choice()`, `glob()`, `interval()`) on the command line or in
+    `hydra.sweeper.params`. Read from the `multirun.yaml` Hydra's sweeper saves in the sweep
+    folder before it launches any job, so every job sees the same answer whatever launcher runs
+    it (in-process, joblib workers, SLURM). [] with a warning when that file cannot be read."""
+    path = Path(sweep_dir) / MULTIRUN_FILE
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import OmegaConf
+
+        hydra_cfg = OmegaConf.load(path).hydra
+        params = OmegaConf.select(hydra_cfg, "sweeper.params")
+        lines = [f"{key}={value}" for key, value in
+                 (OmegaConf.to_container(params, resolve=False) if params else {}).items()]
+        lines += [str(o) for o in OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)]
+        parsed = OverridesParser.create().parse_overrides(lines)
+    except Exception as exc:  # a missing or odd file must not fail the job: the report copes
+        warnings.warn(f"cannot read the sweep's overrides from {path}: {exc}", stacklevel=2)
+        return []
+    keys: list[str] = []
+    for override in parsed:
+        key = override.key_or_group + (f"@{override.package}" if override.package else "")
+        if override.is_sweep_override() and key not in keys:
+            keys.append(key)
+    return keys
+
+
+def sweep_exit_code(statuses: list[Any]) -> int:
+    """0 when some job ended "ok"; 2 when every job ended "error" (a setting to fix); 3 otherwise
+    (no job ended "ok": all "oom"/"unrecoverable", a mix, or no summary at all)."""
+    if "ok" in statuses:
+        return 0
+    if statuses and all(status == "error" for status in statuses):
+        return 2
+    return 3
+
+
+def _summary_stamps(folder: Path) -> dict[Path, tuple[int, int]]:
+    if not folder.is_dir():
+        return {}
+    stamps = {}
+    for path in folder.rglob(SUMMARY_FILE):
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        stamps[path] = (stat.st_ino, stat.st_mtime_ns)
+    return stamps
+
+
+class SweepCheck(Callback):
+    """Hydra callback (conf/config.yaml, `hydra.callbacks.sweep_check`): when a --multirun sweep
+    ends and no job ended "ok", print why and exit with `sweep_exit_code` (3; 2 when every job
+    was a setting error). It reads the summary.json files under the sweep folder that are new
+    or rewritten since the sweep started (summaries are replaced atomically, so a rewrite has a
+    new inode), which works whichever launcher ran the jobs: in this process, in joblib
+    workers, or on SLURM (shared filesystem). A job that raised made Hydra fail already."""
+
+    def __init__(self) -> None:
+        self._sweep_dir: Path | None = None
+        self._before: dict[Path, tuple[int, int]] = {}
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        self._sweep_dir = Path(str(config.hydra.sweep.dir))
+        self._before = _summary_stamps(self._sweep_dir)
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        before = self._before if sweep_dir == self._sweep_dir else {}
+        statuses: list[Any] = []
+        for path, stamp in sorted(_summary_stamps(sweep_dir).items()):
+            if before.get(path) == stamp:
+                continue  # an older sweep's job in a reused folder
+            try:
+                statuses.append(json.loads(path.read_text(encoding="utf-8")).get("status"))
+            except (OSError, ValueError, AttributeError):
+                statuses.append(None)
+        code = sweep_exit_code(statuses)
+        if code:
+            counts = ", ".join(f"{n} {status}" for status, n in
+                               sorted(Counter(str(s) for s in statuses).items())) or f"no {SUMMARY_FILE}"
+            print(f"ftbench: no job of the sweep ended 'ok' ({counts}); exit code {code}.\n"
+                  f"Sweep folder: {sweep_dir}", file=sys.stderr)
+            sys.exit(code)
+
+
+# --------------------------------------------------------------------------- table columns
+
+def run_clock(run: dict) -> str | None:
+    """Which seconds a run's times count: "sim" (the cost model: every sim run, and local runs
+    with backend.clock=model) or "wall" (measured; local's default)."""
+    clock = run.get("clock")
+    if clock == "wall":
+        return "wall"
+    if clock == "model" or run.get("backend") == "sim":
+        return "sim"
+    if run.get("backend") in ("local", "dist"):
+        return "wall"
+    return None
+
+
+_ITERATION_CACHE: dict[tuple[str, int], float | None] = {}
+
+
+def _iteration_seconds(run: dict) -> float | None:
+    """Time of one iteration in the run's clock. sim: `iteration_time_s` (one iteration of the
+    first plan, no failure); local: the median over the iterations in metrics.jsonl
+    (`iteration_s` on the wall clock, the step of `time_s` on the modelled clock)."""
+    value = run.get("iteration_time_s")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    run_dir = run.get("run_dir")
+    path = Path(run_dir) / METRICS_FILE if run_dir else None
+    try:
+        key = (str(path), path.stat().st_mtime_ns) if path else None
+    except OSError:
+        return None
+    if key is None:
+        return None
+    if key not in _ITERATION_CACHE:
+        try:
+            records = [r for r in read_metrics(path) if r.get("event") == "iteration"]
+        except (OSError, ValueError):
+            records = []
+        if run_clock(run) == "wall":
+            times = [r["iteration_s"] for r in records if isinstance(r.get("iteration_s"), (int, float))]
+        else:
+            stamps = [0.0] + [r["time_s"] for r in records if isinstance(r.get("time_s"), (int, float))]
+            times = [b - a for a, b in zip(stamps, stamps[1:]) if b > a]
+        _ITERATION_CACHE[key] = statistics.median(times) if times else None
+    return _ITERATION_CACHE[key]
+
+
 # Columns computed from list fields, so tables can show them next to plain keys.
 DERIVED_COLUMNS = {
     "recoveries": lambda run: recovery_totals(run)["count"],
@@ -409,15 +594,34 @@ DERIVED_COLUMNS = {
     "peak_memory_gb": lambda run: (None if peak_memory_max(run) is None
                                    else peak_memory_max(run) / 1e9),
     "failures": lambda run: _count(run.get("failures")),
+    "iteration_s": _iteration_seconds,
+    "clock": run_clock,
 }
+SEEDS_COLUMN = "seeds"  # the seeds of a row that stands for several runs
+# Headers with units; "{clock}" is "sim s", "wall s", or "s" when the table mixes clocks
+# (it then has a `clock` column saying which, per row).
+HEADERS = {
+    "time_s": "time ({clock})",
+    "iteration_s": "iteration ({clock})",
+    "iteration_time_s": "iteration_time ({clock})",
+    "recovery_s": "recovery total ({clock})",
+    "throughput": "throughput (samples/{clock})",
+    "peak_memory_gb": "peak memory (GB)",
+    "lost_iterations": "lost iterations",
+}
+TIMED_COLUMNS = ("time_s", "iteration_s", "iteration_time_s", "recovery_s", "throughput")
 
 
 def _value(run: dict, column: str) -> Any:
     if column in DERIVED_COLUMNS:
         return DERIVED_COLUMNS[column](run)
+    if column == SEEDS_COLUMN:
+        return _seed_label(run)
     value: Any = run
     for part in column.split("."):  # dotted names reach into nested dicts
         value = value.get(part) if isinstance(value, dict) else None
+    if value is None:  # a swept or overridden setting the summary has no key for
+        value = override_map(run.get("overrides")).get(column)
     return value
 
 
@@ -441,37 +645,162 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _is_numeric_column(values: list[Any]) -> bool:
     present = [v for v in values if v is not None]
-    return bool(present) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                 for v in present)
+    return bool(present) and all(_is_number(v) for v in present)
 
 
-def runs_table(runs: list[dict], columns: list[str] | None = None, fmt: str = "md") -> str:
-    """A Markdown (fmt="md") or CSV (fmt="csv") table, one row per run."""
-    columns = list(columns or DEFAULT_COLUMNS)
-    values = [[_value(run, c) for c in columns] for run in runs]
-    cells = [[_cell(v) for v in row] for row in values]
+def valid_columns(runs: list[dict]) -> list[str]:
+    """Every column name `runs_table` can fill for these runs."""
+    names = set(DEFAULT_COLUMNS) | set(DERIVED_COLUMNS) | {SEEDS_COLUMN}
+    for run in runs:
+        names |= set(run) | set(override_map(run.get("overrides")))
+    return sorted(names)
+
+
+def unknown_columns(runs: list[dict], columns: list[str]) -> list[str]:
+    """The names in `columns` no run has (typos): their cells would all be empty."""
+    valid = set(valid_columns(runs))
+    return [c for c in columns if c not in valid and all(_value(run, c) is None for run in runs)]
+
+
+def _seed_label(run: dict) -> Any:
+    overrides = override_map(run.get("overrides"))
+    seed = run.get("seed", overrides.get("seed"))
+    if overrides.get("failures.seed") is not None:
+        return f"{_cell(seed)} (failures {_cell(overrides['failures.seed'])})"
+    return seed
+
+
+def _setup_key(run: dict) -> tuple | None:
+    """What a run is, apart from its seed; None (never grouped) for a summary without
+    `overrides`, whose setup is not fully recorded."""
+    if not isinstance(run.get("overrides"), list):
+        return None
+    overrides = {k: _cell(v) for k, v in override_map(run["overrides"]).items() if k not in SEED_KEYS}
+    fields = tuple(_cell(run.get(k)) for k in ("strategy", "backend", "model", "hardware", "schedule",
+                                               "pp", "dp", "microbatches", "global_batch", "status"))
+    return tuple(sorted(overrides.items())), fields, run_clock(run)
+
+
+def group_by_seed(runs: list[dict]) -> list[list[dict]]:
+    """Runs that differ only in the seed (`seed`, `failures.seed`) and ended with the same
+    status, grouped in order of first appearance; every other run is a group of its own."""
+    groups: list[list[dict]] = []
+    index: dict[tuple, int] = {}
+    for run in runs:
+        key = _setup_key(run)
+        if key is not None and key in index:
+            groups[index[key]].append(run)
+            continue
+        if key is not None:
+            index[key] = len(groups)
+        groups.append([run])
+    return groups
+
+
+def _aggregate(values: list[Any], column: str) -> tuple[Any, float | None]:
+    """(value, spread) of one column over a group: the value when all agree; mean and sample
+    standard deviation when they are numbers that differ; else the distinct values listed."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None, None
+    if len(present) == len(values) and all(v == present[0] for v in present):
+        return present[0], None
+    if column in SEED_KEYS or column == SEEDS_COLUMN or not all(_is_number(v) for v in present):
+        distinct = list(dict.fromkeys(_cell(v) for v in present))
+        return ",".join(distinct), None
+    return statistics.fmean(present), (statistics.stdev(present) if len(present) > 1 else 0.0)
+
+
+def _swept_columns(runs: list[dict], columns: list[str], aggregated: bool) -> list[str]:
+    """Keys the runs' sweeps varied (`swept`), then override keys whose value differs between
+    runs (runs from separate sweeps or single runs), minus those already shown."""
+    keys: list[str] = []
+    for run in runs:
+        keys += [str(k) for k in run.get("swept") or [] if k not in keys]
+    maps = [override_map(run.get("overrides")) for run in runs]
+    for key in dict.fromkeys(k for m in maps for k in m):
+        if len({_cell(m.get(key)) for m in maps}) > 1 and key not in keys:
+            keys.append(key)
+    shown = set(columns)
+    return [k for k in keys if k not in shown and COLUMN_ALIASES.get(k) not in shown
+            and not (aggregated and k in SEED_KEYS)]
+
+
+def _table_columns(runs: list[dict], columns: list[str] | None, groups: list[list[dict]],
+                   clocks: set[str]) -> list[str]:
+    aggregated = any(len(group) > 1 for group in groups)
+    explicit = columns is not None
+    columns = list(columns if explicit else DEFAULT_COLUMNS)
+    if not explicit:
+        at = columns.index("strategy") + 1 if "strategy" in columns else 0
+        columns[at:at] = _swept_columns(runs, columns, aggregated)
+        if aggregated and not any(c in columns for c in (*SEED_KEYS, SEEDS_COLUMN)):
+            columns.append(SEEDS_COLUMN)
+    if len(clocks) > 1 and "clock" not in columns and any(c in TIMED_COLUMNS for c in columns):
+        timed = min(columns.index(c) for c in TIMED_COLUMNS if c in columns)
+        at = columns.index("backend") + 1 if "backend" in columns else timed
+        columns.insert(at, "clock")
+    return columns
+
+
+def _header(column: str, clocks: set[str]) -> str:
+    if column not in HEADERS:
+        return column
+    clock = f"{next(iter(clocks))} s" if len(clocks) == 1 else "s"
+    return HEADERS[column].format(clock=clock)
+
+
+def runs_table(runs: list[dict], columns: list[str] | None = None, fmt: str = "md",
+               aggregate: bool = True) -> str:
+    """A Markdown (fmt="md") or CSV (fmt="csv") table, one row per run.
+
+    Default columns: DEFAULT_COLUMNS plus, after `strategy`, one per swept key (the summaries'
+    `swept`, and override keys whose value differs between runs). Headers of times state the
+    clock: `time (sim s)` / `time (wall s)`; a table mixing clocks says `time (s)` and adds a
+    `clock` column. With `aggregate`, runs that differ only in the seed share one row: numbers
+    that differ are mean ± sample standard deviation (CSV: the mean, and the deviation in a
+    `<header> std` column after it), the seeds are listed in `seeds` (or the seed column).
+    """
+    if fmt not in ("md", "csv"):
+        raise ValueError(f"table format {fmt!r} is not 'md' or 'csv'")
+    groups = group_by_seed(runs) if aggregate else [[run] for run in runs]
+    clocks = {clock for clock in (run_clock(run) for run in runs) if clock}
+    columns = _table_columns(runs, columns, groups, clocks)
+    pairs = [[_aggregate([_value(run, c) for run in group], c) for c in columns] for group in groups]
+    spread = [any(row[i][1] is not None for row in pairs) for i in range(len(columns))]
+    headers = [_header(c, clocks) for c in columns]
     if fmt == "csv":
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(columns)
-        writer.writerows(cells)
+        writer.writerow([h for i, header in enumerate(headers)
+                         for h in ([header, f"{header} std"] if spread[i] else [header])])
+        for row in pairs:
+            writer.writerow([cell for i, (value, std) in enumerate(row)
+                             for cell in ([_cell(value), _cell(std)] if spread[i] else [_cell(value)])])
         return out.getvalue()
-    if fmt != "md":
-        raise ValueError(f"table format {fmt!r} is not 'md' or 'csv'")
+    cells = [[_cell(value) + (f" ± {_cell(std)}" if std is not None else "") for value, std in row]
+             for row in pairs]
     cells = [[c.replace("|", "\\|").replace("\n", " ") for c in row] for row in cells]
-    widths = [max([len(col), 3] + [len(row[i]) for row in cells]) for i, col in enumerate(columns)]
-    numeric = [_is_numeric_column([row[i] for row in values]) for i in range(len(columns))]
+    widths = [max([len(h), 3] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
+    numeric = [_is_numeric_column([row[i][0] for row in pairs]) for i in range(len(columns))]
 
     def line(parts: list[str]) -> str:
         return "| " + " | ".join(parts) + " |"
 
-    header = line([c.ljust(w) for c, w in zip(columns, widths)])
+    header = line([h.ljust(w) for h, w in zip(headers, widths)])
     rule = line([("-" * (w - 1) + ":") if num else "-" * w for w, num in zip(widths, numeric)])
     body = [line([c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)])
             for row in cells]
-    return "\n".join([header, rule, *body]) + "\n"
+    text = "\n".join([header, rule, *body]) + "\n"
+    if any(spread):
+        text += "\nRows over several seeds: numbers that differ are mean ± sample standard deviation.\n"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -482,7 +811,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", action="store_true", help="write CSV instead of Markdown")
     parser.add_argument("--out", help="write the table to this file instead of printing it")
     parser.add_argument("--columns", help="comma-separated columns (default: "
-                        + ",".join(DEFAULT_COLUMNS) + ")")
+                        + ",".join(DEFAULT_COLUMNS) + ", plus one per swept key)")
+    parser.add_argument("--per-run", action="store_true",
+                        help="one row per run; by default runs that differ only in the seed share "
+                             "a row (mean ± sample standard deviation)")
     args = parser.parse_args(argv)
     try:
         runs = load_runs(args.paths)
@@ -493,7 +825,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no {SUMMARY_FILE} found under {', '.join(args.paths)}", file=sys.stderr)
         return 2
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
-    table = runs_table(runs, columns, fmt="csv" if args.csv else "md")
+    unknown = unknown_columns(runs, columns) if columns else []
+    if unknown:
+        print(f"warning: unknown column{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+              f"(left empty); valid columns: {', '.join(valid_columns(runs))}", file=sys.stderr)
+    table = runs_table(runs, columns, fmt="csv" if args.csv else "md", aggregate=not args.per_run)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

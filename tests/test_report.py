@@ -9,8 +9,9 @@ import pytest
 
 from ftbench.metrics import SUMMARY_KEYS, write_summary
 from ftbench.report import (
-    KIND_COLOURS, bubble_fraction, format_summary, gantt_span, human_duration, load_runs, main,
-    plot_gantt, plot_gantt_panels, runs_table,
+    DEFAULT_COLUMNS, KIND_COLOURS, bubble_fraction, format_summary, gantt_span, group_by_seed,
+    human_duration, load_runs, main, override_map, plot_gantt, plot_gantt_panels, run_clock,
+    runs_table, sweep_exit_code, swept_keys,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -184,3 +185,176 @@ def test_load_runs_skips_a_broken_summary(tmp_path):
         runs = load_runs([tmp_path])
     assert len(runs) == 2
     assert json.loads((tmp_path / "sweep" / "0" / "summary.json").read_text())["strategy"] == "none"
+
+
+# --------------------------------------------------------------------------- sweeps
+
+LEVEL_OVERRIDES = ["backend=sim", "strategy=recycle", "model=gpt3-medium", "cluster.dp=4"]
+
+
+def write_level_sweep(root):
+    """Three jobs of a sweep over strategy.level: the same strategy, model, shape and status."""
+    for n, (level, throughput) in enumerate([("reroute", 196.7), ("decoupled", 225.9),
+                                             ("staggered", 225.9)]):
+        write_summary(root / "sweep" / str(n),
+                      summary(strategy="recycle", throughput=throughput, seed=0,
+                              overrides=[*LEVEL_OVERRIDES, f"strategy.level={level}"],
+                              swept=["strategy.level"]))
+    return root / "sweep"
+
+
+def test_a_swept_key_gets_a_column(tmp_path):
+    runs = load_runs([write_level_sweep(tmp_path)])
+    rows = list(csv.reader(io.StringIO(runs_table(runs, fmt="csv"))))
+    assert rows[0][:2] == ["strategy", "strategy.level"]
+    assert [row[1] for row in rows[1:]] == ["reroute", "decoupled", "staggered"]
+
+
+def test_override_keys_that_differ_get_a_column_without_swept(tmp_path):
+    """Runs from separate command lines: no `swept`, but their overrides differ."""
+    for n, every in enumerate([10, 20]):
+        write_summary(tmp_path / str(n), summary(overrides=["backend=sim", f"strategy.every={every}"],
+                                                 swept=[]))
+    rows = list(csv.reader(io.StringIO(runs_table(load_runs([tmp_path]), fmt="csv"))))
+    column = rows[0].index("strategy.every")
+    assert [row[column] for row in rows[1:]] == ["10", "20"]
+    assert "backend=sim" not in rows[0]
+
+
+def test_swept_keys_with_a_column_are_not_repeated(tmp_path):
+    for n, dp in enumerate([2, 4]):
+        write_summary(tmp_path / str(n), summary(dp=dp, overrides=[f"cluster.dp={dp}"],
+                                                 swept=["cluster.dp", "model"]))
+    header = runs_table(load_runs([tmp_path]), fmt="csv").splitlines()[0].split(",")
+    assert "cluster.dp" not in header and header.count("dp") == 1 and header.count("model") == 1
+
+
+def test_default_columns_show_recovery_lost_iterations_and_iteration_time(tmp_path):
+    assert {"recovery_s", "lost_iterations", "iteration_s"} <= set(DEFAULT_COLUMNS)
+    write_summary(tmp_path / "0", summary(iteration_time_s=0.25))
+    lines = runs_table(load_runs([tmp_path])).splitlines()
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    row = dict(zip(header, [c.strip() for c in lines[2].strip("|").split("|")]))
+    assert row["recovery total (sim s)"] == "120" and row["lost iterations"] == "4"
+    assert row["iteration (sim s)"] == "0.25"
+
+
+def test_headers_state_the_clock(tmp_path):
+    write_summary(tmp_path / "sim", summary(backend="sim"))
+    write_summary(tmp_path / "local", summary(backend="local", clock="wall", time_s=3.5))
+    write_summary(tmp_path / "modelled", summary(backend="local", clock="model"))
+    sim_only = runs_table(load_runs([tmp_path / "sim"])).splitlines()[0]
+    assert "time (sim s)" in sim_only and "throughput (samples/sim s)" in sim_only
+    assert "clock" not in sim_only
+    wall_only = runs_table(load_runs([tmp_path / "local"])).splitlines()[0]
+    assert "time (wall s)" in wall_only and "recovery total (wall s)" in wall_only
+    # A local run on the modelled clock counts simulated seconds, like sim.
+    assert "time (sim s)" in runs_table(load_runs([tmp_path / "modelled"])).splitlines()[0]
+
+    mixed = list(csv.reader(io.StringIO(runs_table(load_runs([tmp_path]), fmt="csv"))))
+    assert "time (s)" in mixed[0] and "time (sim s)" not in mixed[0]
+    clock = mixed[0].index("clock")
+    assert clock == mixed[0].index("backend") + 1
+    assert sorted(row[clock] for row in mixed[1:]) == ["sim", "sim", "wall"]
+    assert [run_clock(r) for r in ({"backend": "sim"}, {"backend": "local"}, {})] == ["sim", "wall", None]
+
+
+def test_local_iteration_time_is_the_median_from_metrics(tmp_path):
+    run = tmp_path / "local"
+    write_summary(run, summary(backend="local", clock="wall"))
+    lines = [{"event": "iteration", "iteration": i, "iteration_s": s, "time_s": i + 1.0}
+             for i, s in enumerate([0.5, 0.1, 0.2, 9.0])]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert runs_table(load_runs([run]), ["iteration_s"], fmt="csv").splitlines() == [
+        "iteration (wall s)", "0.35"]
+
+
+def write_seed_sweep(root, strategies=("checkpoint",), seeds=(0, 1, 2)):
+    for n, (strategy, seed) in enumerate((s, seed) for s in strategies for seed in seeds):
+        write_summary(root / "sweep" / str(n),
+                      summary(strategy=strategy, seed=seed, throughput=10.0 + seed, failures=seed,
+                              overrides=["backend=sim", f"strategy={strategy}", f"seed={seed}"],
+                              swept=["strategy", "seed"] if len(strategies) > 1 else ["seed"]))
+    return root / "sweep"
+
+
+def test_runs_that_differ_only_in_the_seed_share_a_row(tmp_path):
+    runs = load_runs([write_seed_sweep(tmp_path, strategies=("checkpoint", "varuna"))])
+    assert [len(g) for g in group_by_seed(runs)] == [3, 3]
+    lines = runs_table(runs).splitlines()
+    assert len([line for line in lines if line.startswith("| checkpoint") or line.startswith("| varuna")]) == 2
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    row = dict(zip(header, [c.strip() for c in lines[2].strip("|").split("|")]))
+    assert row["throughput (samples/sim s)"] == "11 ± 1"  # mean ± sample std of 10, 11, 12
+    assert row["pp"] == "4" and row["seeds"] == "0,1,2" and "seed" not in header
+    assert "mean ± sample standard deviation" in lines[-1]
+
+    rows = list(csv.reader(io.StringIO(runs_table(runs, fmt="csv"))))
+    assert rows[0][rows[0].index("throughput (samples/sim s)") + 1] == "throughput (samples/sim s) std"
+    assert rows[1][rows[0].index("throughput (samples/sim s)")] == "11"
+    assert rows[1][rows[0].index("throughput (samples/sim s) std")] == "1"
+
+    per_run = list(csv.reader(io.StringIO(runs_table(runs, fmt="csv", aggregate=False))))
+    assert len(per_run) == 7 and "seed" in per_run[0] and "seeds" not in per_run[0]
+
+
+def test_runs_with_other_differences_or_no_overrides_are_not_grouped(tmp_path):
+    write_seed_sweep(tmp_path / "a", seeds=(0, 1))
+    write_summary(tmp_path / "b", summary(strategy="checkpoint", seed=2, status="oom",
+                                          overrides=["backend=sim", "strategy=checkpoint", "seed=2"]))
+    write_summary(tmp_path / "c" / "0", summary(seed=0))  # older summaries: no overrides recorded
+    write_summary(tmp_path / "c" / "1", summary(seed=1))
+    runs = load_runs([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
+    assert [len(g) for g in group_by_seed(runs)] == [2, 1, 1, 1]
+
+
+def test_main_warns_about_unknown_columns(tmp_path, capsys):
+    write_level_sweep(tmp_path)
+    assert main([str(tmp_path / "sweep"), "--columns", "strategy,strategy.level,thruput"]) == 0
+    captured = capsys.readouterr()
+    assert "unknown column thruput" in captured.err and "valid columns:" in captured.err
+    assert "throughput" in captured.err.split("valid columns:")[1]
+    assert "reroute" in captured.out
+    assert main([str(tmp_path / "sweep"), "--columns", "strategy,recovery_s,dp"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_main_per_run(tmp_path, capsys):
+    write_seed_sweep(tmp_path)
+    assert main([str(tmp_path / "sweep")]) == 0
+    assert "±" in capsys.readouterr().out
+    assert main([str(tmp_path / "sweep"), "--per-run"]) == 0
+    assert "±" not in capsys.readouterr().out
+
+
+def test_override_map():
+    assert override_map(["a.b=1", "+c=x,y", "~d", "e=[{iteration:5,node:1}]", "f=0.5"]) == {
+        "a.b": 1, "c": "x,y", "d": None, "e": "[{iteration:5,node:1}]", "f": 0.5}
+    assert override_map(None) == {}
+
+
+def test_swept_keys_from_multirun_yaml(tmp_path):
+    (tmp_path / "multirun.yaml").write_text(
+        "hydra:\n"
+        "  sweeper:\n"
+        "    params:\n"
+        "      train.lr: 1e-3,1e-4\n"
+        "  overrides:\n"
+        "    task:\n"
+        "    - backend=sim\n"
+        "    - strategy.level=reroute,decoupled\n"
+        "    - seed=range(3)\n"
+        "    - failures.events=[{iteration:50,node:1}]\n"
+        "    - 'model.name=\"a,b\"'\n"
+        "seed: 0\n")
+    assert swept_keys(tmp_path) == ["train.lr", "strategy.level", "seed"]
+    with pytest.warns(UserWarning, match="cannot read"):
+        assert swept_keys(tmp_path / "missing") == []
+
+
+def test_sweep_exit_code():
+    assert sweep_exit_code(["oom", "ok"]) == 0
+    assert sweep_exit_code(["oom", "unrecoverable"]) == 3
+    assert sweep_exit_code(["oom", "error"]) == 3
+    assert sweep_exit_code(["error", "error"]) == 2
+    assert sweep_exit_code([]) == 3
