@@ -1,4 +1,4 @@
-"""Decoupled backward benchmark (issue 3): B + W against one fused backward.
+"""Decoupled backward benchmark: B + W against one fused backward.
 
 A GPT-2-small-sized stage (hidden 768, 12 heads, 3 of GPT-2 small's 12 blocks) runs forward,
 then either one fused backward (plain autograd, nothing patched) or B (input gradients, the

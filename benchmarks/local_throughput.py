@@ -1,4 +1,4 @@
-"""Local-backend overhead benchmark (issue 3).
+"""Local-backend overhead benchmark.
 
 Fault-free training on the local backend (every worker of a pp x dp grid in one process,
 through the harness: plan, executor, all-reduce, metrics) against plain single-process

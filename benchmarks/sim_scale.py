@@ -1,4 +1,4 @@
-"""Simulator scale benchmark (issue 2).
+"""Simulator scale benchmark.
 
 GPT-3 6.7B on 1,024 A100 80GB GPUs (pp 8 x dp 128, 64 micro-batches per pipeline) for 30
 simulated days with Poisson node failures (conf/experiment/sim-6.7b-1024gpu.yaml), once per

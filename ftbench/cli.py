@@ -1,11 +1,22 @@
 """Command line: `ftbench [overrides]` or `python -m ftbench [overrides]` (Hydra).
 
+`ftbench --version` is answered before Hydra starts; `ftbench --help` is Hydra's app help
+with the template in conf/config.yaml. Neither imports torch: ftbench.run imports the local
+backend only when a local run starts (tests/test_startup.py).
+
 Exit codes: 0 when the run finished with status "ok"; 2 for a setting the user must fix
-(status "error"); 3 when the run ended early as a result ("oom", "unrecoverable"). In a
---multirun sweep a job that ends early is a result like any other: the sweep goes on.
+(status "error"); 3 when the run ended early as a result ("oom", "unrecoverable"); 4 when a
+local run's own equivalence check found it trained another model than fault-free training
+(status "diverged": a bug in a strategy or the harness). In a
+--multirun sweep a job that ends early is a result like any other: the sweep goes on, and
+exits 0 when at least one job ended "ok"; when none did, 3 (2 when every job was a setting
+error), from the Hydra callback ftbench.report.SweepCheck (conf/config.yaml,
+hydra.callbacks), which reads the sweep's summary.json files whatever launcher ran the jobs.
+Hydra's own failures (an unknown option, a job that raised) exit 1.
 """
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -13,30 +24,156 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 from ftbench.config import register_configs
-from ftbench.run import execute
+from ftbench.run import AVAILABLE_BACKENDS, execute
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-EXIT_CODES = {"ok": 0, "error": 2, "oom": 3, "unrecoverable": 3}
+EXIT_CODES = {"ok": 0, "error": 2, "oom": 3, "unrecoverable": 3, "diverged": 4}
+DISTRIBUTION = "ftbench"
+
+
+def version_text() -> str:
+    """`ftbench --version`: this package's version, then Hydra's and torch's, all read from the
+    installed packages' metadata (importing torch would take seconds)."""
+    from importlib import metadata
+
+    def installed(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    own = installed(DISTRIBUTION) or _pyproject_version() or "unknown"
+    others = [f"{label} {v}" for label, v in (("hydra", installed("hydra-core")), ("torch", installed("torch"))) if v]
+    return f"ftbench {own}" + (f" ({', '.join(others)})" if others else "")
+
+
+def _pyproject_version() -> str | None:
+    """The version in the checkout's pyproject.toml (running from a checkout that is not installed)."""
+    try:
+        text = (CONF_DIR.parent / "pyproject.toml").read_text()
+    except OSError:
+        return None
+    match = re.search(r'^version\s*=\s*"([^"]+)"', text, flags=re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def _help_groups(choices=None) -> str:
+    """The config groups and their options for `ftbench --help` (conf/config.yaml's template):
+    the folders of conf/ that hold option files, the option this command line selects marked
+    with *. Unlike Hydra's $APP_CONFIG_GROUPS it leaves out the internal schema/ groups and
+    marks backends that are not implemented yet."""
+    chosen = dict(choices or {})
+    lines = []
+    for folder in sorted(p for p in CONF_DIR.iterdir() if p.is_dir()):
+        options = sorted(f.stem for f in folder.glob("*.yaml"))
+        if not options:
+            continue
+        shown = []
+        for option in options:
+            label = f"*{option}" if chosen.get(folder.name) == option else option
+            if folder.name == "backend" and option not in AVAILABLE_BACKENDS:
+                label += " (not yet)"
+            shown.append(label)
+        lines.append(f"  {folder.name + ':':<12}{', '.join(shown)}")
+    return "\n".join(lines)
+
+
+def _register_help_resolver() -> None:
+    if not OmegaConf.has_resolver("ftbench_help_groups"):
+        OmegaConf.register_new_resolver("ftbench_help_groups", _help_groups)
+
 
 register_configs()
+_register_help_resolver()
 
 
 def compose(overrides):
     """The config `ftbench <overrides>` would run, without a run folder (tests, benchmarks)."""
+    return _compose_raw(default_job_rule(overrides))
+
+
+def _compose_raw(overrides):
     from hydra import compose as hydra_compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
+# Changing any of these makes a run another job than the embedded default one, so the default
+# job's scripted failure (node 5 in iteration 5 of gpt-tiny on pp 4 x dp 2) no longer applies.
+OTHER_JOB = ("backend", "model", "cluster", "cluster.pp", "cluster.dp", "cluster.gpus_per_node", "cluster.nodes",
+             "cluster.placement")
+DEFAULT_JOB_FAILURE_ITERATION = 5  # conf/failures/scripted.yaml
+_DEFAULTS: list = []  # the default job's composed config, once
+
+
+def default_job_rule(overrides) -> list[str]:
+    """The default job's failure script applies to the default job only: with another backend,
+    model or grid than the default job's, or too few iterations to reach it, and no `failures`
+    setting of the user's own, the run has no failures (`failures=none`). Experiments pin
+    their own."""
+    overrides = list(overrides)
+    keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in overrides if "=" in o}
+    if any(k == "failures" or k.startswith("failures.") or k == "experiment" for k in keys):
+        return overrides
+    short = "train.iterations" in keys and _all_at_most(keys["train.iterations"], DEFAULT_JOB_FAILURE_ITERATION)
+    if short or any(k in OTHER_JOB and not _is_default(k, v) for k, v in keys.items()):
+        return [*overrides, "failures=none"]
+    return overrides
+
+
+def _is_default(key: str, value: str) -> bool:
+    """Whether `key=value` leaves the default job as it is (e.g. backend=local, cluster.dp=2)."""
+    if not _DEFAULTS:
+        _DEFAULTS.append(_compose_raw([]))
+    default = _DEFAULTS[0]
+    if key == "cluster":
+        return value == "default"
+    if key in ("backend", "model"):
+        return value == default[key].name
+    return OmegaConf.select(default, key) is not None and str(OmegaConf.select(default, key)) == value
+
+
+def _all_at_most(value: str, limit: int) -> bool:
+    try:
+        return all(int(v) <= limit for v in value.split(","))
+    except ValueError:
+        return False
+
+
+def main() -> None:
+    """The `ftbench` console script: `--version` here, everything else through Hydra."""
+    args = sys.argv[1:]
+    if "--version" in args or "-V" in args:
+        print(version_text())
+        return
+    overrides = [a for a in args if not a.startswith("-")]
+    flags = [a for a in args if a.startswith("-")]
+    if not flags:  # a single run: Hydra's own rejections become a setting error (exit 2), with a run folder
+        from ftbench.config_errors import explain_composition_error
+
+        try:
+            compose(default_job_rule(overrides))
+        except Exception as err:  # noqa: BLE001 - Hydra raises several kinds for a bad command line
+            sys.exit(explain_composition_error(err, overrides, CONF_DIR))
+    sys.argv[1:] = [*flags, *default_job_rule(overrides)]
+    _hydra_main()
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg) -> None:
+def _hydra_main(cfg) -> None:
+    from ftbench.report import swept_keys
+
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     group = Path(hc.sweep.dir).name if multirun else None
-    summary = execute(cfg, Path(hc.runtime.output_dir), wandb_group=group)
+    # This job's overrides (a sweep's job: its own values), and the keys the sweep varies, read
+    # from the multirun.yaml Hydra saved before launching: the same answer in every launcher.
+    summary = execute(cfg, Path(hc.runtime.output_dir), wandb_group=group, overrides=list(hc.overrides.task),
+                      swept=swept_keys(hc.sweep.dir) if multirun else [])
     status = summary["status"]
     if status != "ok":
         message = textwrap.fill(f"ftbench: run ended with status '{status}'. {summary['error']}", width=100)

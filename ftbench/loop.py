@@ -78,6 +78,8 @@ class LoopOutcome(RunOutcome):
     plan_segments: list[dict] = field(default_factory=list)  # {first, last, plan, shape} runs of iterations
     peak_memory_bytes: dict[int, float] = field(default_factory=dict)
     first_timeline: SimResult | None = None
+    plan_after_recovery: Plan | None = None  # the plan after the first recovery that changed it
+    global_batch: int = 0
 
 
 class Checkpoints:
@@ -163,7 +165,8 @@ class RunLoop:
         self.timelines, self.log, self.progress = timelines, log, progress
         self.modelled = clock == "model"
         self.events = EventQueue(script)
-        self.out = LoopOutcome(losses=[math.nan] * ctx.iterations if not backend.jumps else [])
+        self.out = LoopOutcome(losses=[math.nan] * ctx.iterations if not backend.jumps else [],
+                               global_batch=ctx.global_batch)
         self.ckpt = Checkpoints(strategy, ctx.cost_model, ctx.iterations, log, self.modelled)
         self.horizon = ctx.max_hours * 3600.0 if ctx.max_hours is not None else math.inf
         self.it, self.t, self.plan = 0, 0.0, None
@@ -404,6 +407,8 @@ class RunLoop:
         else:
             seconds = time.perf_counter() - started
         self.plan, self.it = new, restored
+        if out.plan_after_recovery is None and new is not old:
+            out.plan_after_recovery = new
         record = {"time_s": t_event, "iteration": it, "recovery_s": seconds, "lost_iterations": it - restored,
                   "restored_iteration": restored, "actions": [type(a).__name__ for a in actions],
                   "plan": new.name, "shape": new.shape}

@@ -1,8 +1,7 @@
 """Run records: `metrics.jsonl` (streamed), `summary.json` (atomic) and an optional W&B mirror.
 
-The two files are the contract other tools read (see DESIGN.md, "Contracts other tools rely
-on"); W&B is a convenience on top and must never be the reason a run fails. `WandbSink`
-mirrors one run (its docstring says what lands where); `log_sweep_table` logs one table of a
+The two files are the contract other tools read (README.md, "Outputs"); W&B is a
+convenience on top and must never be the reason a run fails. `WandbSink` mirrors one run (its docstring says what lands where); `log_sweep_table` logs one table of a
 sweep folder's summaries.
 """
 from __future__ import annotations
@@ -22,7 +21,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "iterations", "samples", "time_s", "throughput", "failures", "recoveries",
     "peak_memory_bytes", "status", "error",
 )
-STATUSES = ("ok", "oom", "unrecoverable", "error")
+STATUSES = ("ok", "oom", "unrecoverable", "diverged", "error")  # diverged: differs from fault-free training
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

@@ -6,65 +6,109 @@ impossible plan, OOM) becomes `status` and `error` in summary.json, never a lost
 """
 from __future__ import annotations
 
+import logging
+import signal
+import threading
 import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ftbench.cluster import Cluster
 from ftbench.context import RunContext
 from ftbench.errors import ConfigError, UserError
 from ftbench.failures import build_failure_script
 from ftbench.metrics import MetricsWriter, WandbSink, write_summary
-from ftbench.report import format_summary, plot_gantt
+from ftbench.report import format_summary, plot_gantt, plot_gantt_panels
 from ftbench.actions import FILE, SNAPSHOT
-from ftbench.checkpoint import CheckpointStore
-from ftbench.engine.backend import LocalBackend
-from ftbench.engine.local import LocalEngine, check_fits_host
-from ftbench.equivalence import compare
 from ftbench.failures import FailureScript
 from ftbench.loop import CLOCKS, run_loop
 from ftbench.sim.backend import SimBackend
 from ftbench.sim.cache import SimCache
-from models.data import make_source
-from models.gpt import save_pretrained
+from ftbench.threads import configure as configure_threads
 from strategies import build_strategy
 from strategies.none import NoFaultTolerance
+
+# The local backend (ftbench.engine, ftbench.checkpoint, ftbench.equivalence, models.data,
+# models.gpt) imports torch and transformers: seconds. It is imported inside the local-backend
+# functions below, so --help, config errors and simulator runs never pay for it
+# (tests/test_startup.py).
+if TYPE_CHECKING:
+    from ftbench.engine.local import LocalEngine
 
 AVAILABLE_BACKENDS = ("sim", "local")
 
 
-def execute(cfg, run_dir: Path | str, wandb_group: str | None = None, echo=print) -> dict:
-    """Run `cfg` into `run_dir` and return the summary (also written to summary.json)."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's cancel, `kill`): handled like Ctrl-C, so the run folder keeps
+    what was done."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _echo(text: str) -> None:
+    """execute's default echo: print, and log to `ftbench.console`, which the CLI's job logging
+    (conf/config.yaml) writes to the run folder's ftbench.log only; outside the CLI the record
+    has no handler unless the caller configured logging."""
+    print(text)
+    logging.getLogger("ftbench.console").info(text)
+
+
+def execute(cfg, run_dir: Path | str, wandb_group: str | None = None, echo=_echo,
+            overrides: list[str] | None = None, swept: list[str] | None = None) -> dict:
+    """Run `cfg` into `run_dir` and return the summary (also written to summary.json).
+
+    `overrides` (the Hydra task overrides `cfg` was composed with) and `swept` (the keys a
+    --multirun sweep varies) are recorded in the summary for tables over runs."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = _base_summary(cfg)
+    summary = _base_summary(cfg, overrides, swept)
     started = time.perf_counter()
-    sink = None
-    with MetricsWriter(run_dir) as metrics:
-        try:
-            sink = WandbSink(cfg.wandb, run_dir, name=run_dir.name, job_type=str(cfg.strategy.name),
-                             group=wandb_group, config=cfg)
-
-            def log(record: dict) -> None:
-                metrics.log(record)
-                sink.log(record)
-
-            summary.update(_run(cfg, run_dir, log))
-        except UserError as err:
-            summary.update(status=err.status, error=str(err))
-            metrics.log({"event": "error", "status": err.status, "error": str(err)})
-        except BaseException as err:  # a bug or Ctrl-C, not a user error: keep the evidence, re-raise
-            interrupted = isinstance(err, KeyboardInterrupt)
-            summary.update(status="error", error="interrupted" if interrupted else f"{type(err).__name__}: {err}")
-            if not interrupted:
-                (run_dir / "error.txt").write_text(traceback.format_exc())
-            metrics.log({"event": "error", "status": "error", "error": summary["error"]})
-            _finish(run_dir, summary, started, sink)
-            raise
-    _finish(run_dir, summary, started, sink)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        with MetricsWriter(run_dir) as metrics:
+            _execute(cfg, run_dir, wandb_group, summary, started, metrics)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     echo(format_summary(summary))
     return summary
+
+
+def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, metrics) -> None:
+    sink = None
+    try:
+        sink = WandbSink(cfg.wandb, run_dir, name=run_dir.name, job_type=str(cfg.strategy.name),
+                         group=wandb_group, config=cfg)
+
+        def log(record: dict) -> None:
+            metrics.log(record)
+            sink.log(record)
+
+        summary.update(_run(cfg, run_dir, log))
+    except UserError as err:
+        summary.update(status=err.status, error=str(err))
+        metrics.log({"event": "error", "status": err.status, "error": str(err)})
+    except BaseException as err:  # a bug, Ctrl-C or SIGTERM, not a user error: keep the evidence, re-raise
+        interrupted = isinstance(err, KeyboardInterrupt)
+        what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+        outcome = getattr(err, "outcome", None)
+        if outcome is not None:  # what the run loop had done when it stopped
+            summary.update(_totals(outcome, outcome.global_batch))
+            if outcome.losses:
+                summary["losses"] = outcome.losses
+        summary.update(status="error", error=what if interrupted else f"{type(err).__name__}: {err}")
+        if not interrupted:
+            (run_dir / "error.txt").write_text(traceback.format_exc())
+        metrics.log({"event": "error", "status": "error", "error": summary["error"],
+                     "iterations": summary["iterations"]})
+        _finish(run_dir, summary, started, sink)
+        raise
+    _finish(run_dir, summary, started, sink)
 
 
 def _finish(run_dir: Path, summary: dict, started: float, sink) -> None:
@@ -75,20 +119,23 @@ def _finish(run_dir: Path, summary: dict, started: float, sink) -> None:
         sink.finish(summary)
 
 
-def _base_summary(cfg) -> dict:
-    """Summary keys known before anything runs, so even a config error leaves a full summary."""
+def _base_summary(cfg, overrides: list[str] | None = None, swept: list[str] | None = None) -> dict:
+    """Summary keys known before anything runs, so even a config error leaves a full summary.
+    `overrides`: the task overrides as given (`strategy.level=reroute`); `swept`: the keys of
+    those a sweep varies (both [] when not given)."""
     return {"strategy": cfg.strategy.name, "backend": cfg.backend.name, "model": cfg.model.name,
             "hardware": cfg.hardware.name, "schedule": cfg.schedule.name, "dp": cfg.cluster.dp,
             "pp": cfg.cluster.pp, "microbatches": cfg.train.microbatches, "global_batch": cfg.train.global_batch,
             "iterations": 0, "samples": 0, "time_s": 0.0, "throughput": 0.0, "failures": 0,
-            "recoveries": [], "peak_memory_bytes": [], "status": "error", "error": None, "seed": cfg.seed}
+            "recoveries": [], "peak_memory_bytes": [], "status": "error", "error": None, "seed": cfg.seed,
+            "overrides": [str(o) for o in overrides or []], "swept": [str(k) for k in swept or []]}
 
 
 def _run(cfg, run_dir: Path, log) -> dict:
     ctx = RunContext.from_config(cfg)
     cluster = Cluster.from_config(cfg.cluster)
     seed = cfg.failures.seed if cfg.failures.seed is not None else cfg.seed
-    script = build_failure_script(cfg.failures, cluster.nodes, seed)
+    script = build_failure_script(cfg.failures, cluster.nodes, seed, iterations=ctx.iterations, max_hours=ctx.max_hours)
     if script.initial_nodes is not None and script.initial_nodes != cluster.nodes:
         raise ConfigError("failures.path", f"the trace starts with {script.initial_nodes} nodes but the cluster has "
                           f"{cluster.nodes}", f"set cluster.nodes={script.initial_nodes} (with a grid that fits) "
@@ -117,14 +164,15 @@ def _clock(cfg) -> str:
     return clock
 
 
-def _totals(outcome, ctx) -> dict:
-    samples = outcome.iterations * ctx.global_batch
+def _totals(outcome, global_batch: int) -> dict:
+    samples = outcome.iterations * global_batch
+    segments = outcome.plan_segments
     return {"iterations": outcome.iterations, "samples": samples, "time_s": outcome.time_s,
             "throughput": samples / outcome.time_s if outcome.time_s > 0 else 0.0,
             "failures": outcome.failures, "recoveries": outcome.recoveries,
             "lost_iterations": sum(r.get("lost_iterations", 0) for r in outcome.recoveries),
-            "plan_segments": outcome.plan_segments, "checkpoints": outcome.checkpoints,
-            "status": outcome.status, "error": outcome.error}
+            "plan_segments": segments, "final_shape": segments[-1]["shape"] if segments else None,
+            "checkpoints": outcome.checkpoints, "status": outcome.status, "error": outcome.error}
 
 
 def _run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
@@ -133,10 +181,10 @@ def _run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
         outcome = run_loop(ctx, strategy, cluster, script, SimBackend(ctx), cache, log, progress)
     first = outcome.first_timeline
     if first is not None and cfg.report.gantt:
-        _draw_gantt(first, run_dir, cfg, ctx)
+        _draw_gantt(outcome, cache, run_dir, cfg, ctx)
     log({"event": "end", "status": outcome.status, "iterations": outcome.iterations, "time_s": outcome.time_s})
     return {
-        **_totals(outcome, ctx),
+        **_totals(outcome, ctx.global_batch),
         "peak_memory_bytes": [int(outcome.peak_memory_bytes[w]) for w in sorted(outcome.peak_memory_bytes)],
         "iteration_time_s": first.iteration_time if first else None,
         "bubble_fraction": first.bubble_fraction() if first else None,
@@ -145,29 +193,44 @@ def _run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
 
 
 def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str) -> dict:
+    threads = configure_threads(cfg.backend, ctx.spec)  # before any torch work (ftbench/threads.py)
+    from ftbench.engine.backend import LocalBackend
+    from ftbench.engine.local import check_fits_host
+    from ftbench.equivalence import compare
+    from models.gpt import save_pretrained
+
     check_fits_host(ctx, cfg.cluster.dp, cfg.backend.dtype)
-    engine = local_engine(cfg, ctx, strategy, run_dir)
+    engine = local_engine(cfg, ctx, strategy, run_dir, log)
     timelines = SimCache(ctx.cost_model)  # failure points (and the modelled clock's times)
     with _progress(ctx, cfg.report.progress, "training") as progress:
         outcome = run_loop(ctx, strategy, cluster, script, LocalBackend(engine, realtime=clock == "wall"), timelines,
                            log, progress, clock=clock)
-    result = {**_totals(outcome, ctx), "losses": outcome.losses, "clock": clock,
+    if outcome.first_timeline is not None and cfg.report.gantt:
+        _draw_gantt(outcome, timelines, run_dir, cfg, ctx)
+    result = {**_totals(outcome, ctx.global_batch), "losses": outcome.losses, "clock": clock, "threads": threads,
               "peak_memory_bytes": [engine.peak_memory[w] for w in sorted(engine.peak_memory)],
               "final_state": None, "matches_fault_free": None}
     if outcome.status == "ok":
         state = engine.final_state()
         result["final_state"] = str(save_pretrained(state, ctx.spec, run_dir / "final_model"))
         if cfg.report.check_fault_free and strategy.name != "none":
-            ref_losses, ref_state = fault_free_reference(cfg, ctx)
+            ref_losses, ref_state = fault_free_reference(cfg, ctx, progress=cfg.report.progress)
             difference = compare(outcome.losses, state, ref_losses, ref_state)
             result["matches_fault_free"] = difference is None
             result["fault_free_difference"] = difference
             log({"event": "equivalence", "matches_fault_free": difference is None, "difference": difference})
+            if difference is not None:  # the strategy trained another model: a harness or strategy bug
+                result.update(status="diverged", error=f"training under failures differs from fault-free "
+                              f"training: {difference}")
     log({"event": "end", "status": outcome.status, "iterations": outcome.iterations, "time_s": outcome.time_s})
     return result
 
 
-def local_engine(cfg, ctx, strategy, run_dir: Path | None) -> LocalEngine:
+def local_engine(cfg, ctx, strategy, run_dir: Path | None, log=None) -> LocalEngine:
+    from ftbench.checkpoint import CheckpointStore, CheckpointWarning
+    from ftbench.engine.local import LocalEngine
+    from models.data import make_source
+
     try:
         data = make_source(cfg.train.data, ctx.spec, ctx.seq_len, ctx.seed, cfg.train.data_path)
     except ValueError as err:
@@ -175,31 +238,55 @@ def local_engine(cfg, ctx, strategy, run_dir: Path | None) -> LocalEngine:
                           "point train.data_path at a local text file, or use train.data=synthetic") from None
     store = None
     if run_dir is not None and getattr(strategy, "checkpoint_mode", None) in (FILE, SNAPSHOT):
-        store = CheckpointStore(run_dir / "checkpoints", keep=cfg.strategy.get("keep", 2))
+        on_skip = None
+        if log is not None:  # a skipped checkpoint is a metrics line, not only a warning
+            def on_skip(reason: str, iteration: int) -> None:
+                log({"event": "checkpoint_skipped", "iteration": iteration, "reason": reason})
+                warnings.warn(reason, CheckpointWarning, stacklevel=2)
+        store = CheckpointStore(run_dir / "checkpoints", keep=cfg.strategy.get("keep", 2), on_skip=on_skip)
     return LocalEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, store, cfg.backend.dtype)
 
 
-def fault_free_reference(cfg, ctx) -> tuple[list[float], dict]:
+def fault_free_reference(cfg, ctx, progress: bool = False) -> tuple[list[float], dict]:
     """Losses and final weights of the same training with no failures and no fault tolerance."""
+    configure_threads(cfg.backend, ctx.spec)  # the same count as the run it checks
+    from ftbench.engine.backend import LocalBackend
+
     strategy = NoFaultTolerance(cfg.strategy, ctx)
     cluster = Cluster.from_config(cfg.cluster)
     engine = local_engine(cfg, ctx, strategy, None)
-    outcome = run_loop(ctx, strategy, cluster, FailureScript([], iter(())), LocalBackend(engine), SimCache(ctx.cost_model),
-                       lambda record: None)
+    with _progress(ctx, progress, "fault-free check") as bar:
+        outcome = run_loop(ctx, strategy, cluster, FailureScript([], iter(())), LocalBackend(engine),
+                           SimCache(ctx.cost_model), lambda record: None, bar)
     return outcome.losses, engine.final_state()
 
 
-def _draw_gantt(result, run_dir: Path, cfg, ctx) -> None:
+def _draw_gantt(outcome, timelines, run_dir: Path, cfg, ctx) -> None:
+    """One simulated iteration of the first plan; with a recovery that changed the plan, the
+    plan after the first such recovery below it, on the same time axis."""
+    first = outcome.first_timeline
     title = (f"{ctx.spec.name}, {cfg.schedule.name}, pp={cfg.cluster.pp} dp={cfg.cluster.dp}, "
-             f"m={ctx.microbatches}, {cfg.hardware.name}: one iteration {result.iteration_time:.3g} s")
+             f"m={ctx.microbatches}, {cfg.hardware.name}: one iteration {first.iteration_time:.3g} s")
+    try:
+        after = outcome.plan_after_recovery
+        if after is None:
+            plot_gantt(first.timeline(), run_dir / "gantt.png", title=title, worker_labels=_gantt_labels(first))
+            return
+        second = timelines(after)
+        panels = [(f"before: {outcome.plan_segments[0]['plan']}, {outcome.plan_segments[0]['shape']}, "
+                   f"{first.iteration_time:.3g} s", first.timeline()),
+                  (f"after the first recovery: {after.name}, {after.shape}, {second.iteration_time:.3g} s",
+                   second.timeline())]
+        plot_gantt_panels(panels, run_dir / "gantt.png", title=title)
+    except Exception as err:  # a plot must never cost the run its results
+        warnings.warn(f"could not draw the Gantt chart: {err}")
+
+
+def _gantt_labels(result) -> dict[int, str]:
     first_op = {}
     for worker, op, _, _ in result.ops:
         first_op.setdefault(worker, op)
-    labels = {w: f"w{w} p{op.pipeline}/s{op.stage}" for w, op in first_op.items()}
-    try:
-        plot_gantt(result.timeline(), run_dir / "gantt.png", title=title, worker_labels=labels)
-    except Exception as err:  # a plot must never cost the run its results
-        warnings.warn(f"could not draw the Gantt chart: {err}")
+    return {w: f"w{w} p{op.pipeline}/s{op.stage}" for w, op in first_op.items()}
 
 
 class _progress:
@@ -211,7 +298,7 @@ class _progress:
     def __enter__(self):
         if self.enabled:
             from tqdm import tqdm
-            self.bar = tqdm(total=self.ctx.iterations, unit="it", desc=self.desc, disable=None, leave=False)
+            self.bar = tqdm(total=self.ctx.iterations, unit="it", desc=self.desc, disable=None, leave=True)
         return self
 
     def __call__(self, iteration: int) -> None:

@@ -69,3 +69,77 @@ def test_a_sweep_records_failed_jobs_and_goes_on(tmp_path):
     assert out.returncode == 0
     statuses = sorted(json.loads(p.read_text())["status"] for p in (tmp_path / "sweep").glob("*/summary.json"))
     assert statuses == ["ok", "oom"]
+
+
+SMALL = (*SIM, "model=gpt3-medium", "train.iterations=3")
+OOM = (*SIM, "model=gpt3-6.7b", "cluster.pp=1", "cluster.dp=1", "hardware=a100-40gb")  # oom on sim
+
+
+def summaries(folder):
+    return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*/summary.json"))]
+
+
+def report(*args):
+    return subprocess.run([sys.executable, "-m", "ftbench.report", *map(str, args)], cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_run_records_its_overrides(tmp_path):
+    out = ftbench(tmp_path, *SMALL)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["overrides"] == [*SMALL] and summary["swept"] == []
+
+
+def test_a_sweep_records_overrides_and_swept_keys_and_the_report_shows_them(tmp_path):
+    out = ftbench(tmp_path, "--multirun", *SMALL, "hardware.efficiency=0.4,0.5", "schedule=1f1b")
+    assert out.returncode == 0, out.stderr
+    runs = summaries(tmp_path / "sweep")
+    assert [r["swept"] for r in runs] == [["hardware.efficiency"], ["hardware.efficiency"]]
+    assert sorted(next(o for o in r["overrides"] if o.startswith("hardware.efficiency=")) for r in runs) == [
+        "hardware.efficiency=0.4", "hardware.efficiency=0.5"]
+    assert all("schedule=1f1b" in r["overrides"] and "train.iterations=3" in r["overrides"] for r in runs)
+
+    table = report(tmp_path / "sweep", "--csv")
+    assert table.returncode == 0, table.stderr
+    rows = [line.split(",") for line in table.stdout.splitlines()]
+    assert rows[0][:2] == ["strategy", "hardware.efficiency"] and sorted(r[1] for r in rows[1:]) == ["0.4", "0.5"]
+    assert "time (sim s)" in rows[0] and "recovery total (sim s)" in rows[0] and "lost iterations" in rows[0]
+
+    warned = report(tmp_path / "sweep", "--columns", "strategy,hardware.efficiency,nonsense")
+    assert warned.returncode == 0 and "unknown column nonsense" in warned.stderr
+
+
+def test_a_seed_sweep_is_one_row_in_the_report(tmp_path):
+    out = ftbench(tmp_path, "--multirun", *SMALL, "seed=1,2")
+    assert out.returncode == 0, out.stderr
+    assert [r["swept"] for r in summaries(tmp_path / "sweep")] == [["seed"], ["seed"]]
+    table = report(tmp_path / "sweep")
+    body = [line for line in table.stdout.splitlines() if line.startswith("| none")]
+    assert len(body) == 1 and "1,2" in body[0]
+
+
+def test_a_sweep_where_no_job_ends_ok_exits_3(tmp_path):
+    out = ftbench(tmp_path, "--multirun", *OOM, "seed=1,2")
+    assert out.returncode == 3, out.stderr
+    assert "no job of the sweep ended 'ok' (2 oom)" in out.stderr and "Traceback" not in out.stderr
+    assert [r["status"] for r in summaries(tmp_path / "sweep")] == ["oom", "oom"]
+
+
+def test_a_reused_sweep_folder_judges_only_the_new_jobs(tmp_path):
+    assert ftbench(tmp_path, "--multirun", *SMALL, "seed=1,2").returncode == 0
+    # hydra.sweep.dir is the same folder: the earlier "ok" jobs must not count
+    out = ftbench(tmp_path, "--multirun", *OOM, "seed=3,4", "hydra.sweep.subdir=oom${hydra.job.num}")
+    assert out.returncode == 3, out.stderr
+
+
+def test_a_joblib_sweep_records_and_exits_like_the_basic_launcher(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    joblib = ("hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+    out = ftbench(tmp_path / "ok", "--multirun", *joblib, *SMALL, "schedule=1f1b,zb-h1")
+    assert out.returncode == 0, out.stderr
+    runs = summaries(tmp_path / "ok" / "sweep")
+    assert len(runs) == 2 and all(r["swept"] == ["schedule"] and r["status"] == "ok" for r in runs)
+    out = ftbench(tmp_path / "oom", "--multirun", *joblib, *OOM, "seed=1,2")
+    assert out.returncode == 3, out.stderr

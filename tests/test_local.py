@@ -196,3 +196,14 @@ def test_text_data_option(tmp_path):
     bad = run(tmp_path / "bad", *LOCAL, "strategy=none", "failures=none", "train.data=text",
               f"train.data_path={tmp_path / 'missing.txt'}")
     assert bad["status"] == "error" and "train.data_path" in bad["error"]
+
+
+def test_a_run_that_differs_from_fault_free_training_does_not_end_ok(tmp_path, monkeypatch):
+    import ftbench.equivalence
+
+    monkeypatch.setattr(ftbench.equivalence, "compare", lambda *args: "iteration 3: loss 5.1 vs 5.0")
+    s = run(tmp_path, *LOCAL, "train.iterations=4", "strategy=checkpoint", "report.check_fault_free=true",
+            "failures=scripted", "failures.events=[{iteration:2,node:5}]")
+    assert s["status"] == "diverged" and "iteration 3" in s["error"] and s["matches_fault_free"] is False
+    from ftbench.cli import EXIT_CODES
+    assert EXIT_CODES["diverged"] not in (0, 2, 3)

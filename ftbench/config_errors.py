@@ -1,0 +1,66 @@
+"""Hydra's own rejections of a command line (an unknown key or option, a value of the wrong
+type, bad override syntax) told the way ftbench tells every bad setting: one paragraph naming
+the setting and the fix, exit code 2, and a run folder whose summary.json says so."""
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from ftbench.errors import ConfigError
+
+EXIT_SETTING = 2
+
+
+def _messages(err: BaseException) -> str:
+    parts, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        parts.append(str(err))
+        err = err.__cause__ or err.__context__
+    return "\n".join(parts)
+
+
+def _setting(text: str, overrides: list[str]) -> str:
+    for pattern in (r"full_key: ([\w.\[\]]+)", r"Could not override '([^']+)'", r"Could not append to config\. "
+                    r"An item is already at '([^']+)'", r"Could not find '([^'/]+)/"):
+        match = re.search(pattern, text)
+        if match:
+            return match.group(1)
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
+    return next((k for k in keys if k and k in text), keys[0] if keys else "the command line")
+
+
+def _fix(setting: str, text: str, conf_dir: Path) -> str:
+    folder = conf_dir / setting
+    if folder.is_dir():  # an unknown option of a config group
+        options = sorted(p.stem for p in folder.glob("*.yaml"))
+        return f"choose one of {', '.join(options)}"
+    if "To append to your config use" in text or "not in" in text:
+        from ftbench.context import schema_keys
+
+        close = difflib.get_close_matches(setting, schema_keys(), n=3, cutoff=0.6)
+        return (f"did you mean {' or '.join(close)}? " if close else "") + "see `ftbench --help` for the settings"
+    return "check the value's type and syntax (`ftbench --help` lists the settings)"
+
+
+def explain_composition_error(err: BaseException, overrides: list[str], conf_dir: Path) -> int:
+    """Print the paragraph, write `runs/<date>/<time>-config-error/summary.json`, return the exit code."""
+    text = _messages(err)
+    setting = _setting(text, overrides)
+    problem = text.strip().splitlines()[0].rstrip(".") if text.strip() else type(err).__name__
+    error = ConfigError(setting, problem, _fix(setting, text, conf_dir))
+    run_dir = Path("runs") / time.strftime("%Y-%m-%d") / f"{time.strftime('%H-%M-%S')}-config-error"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        summary = {"status": "error", "error": str(error), "overrides": overrides}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        where = f"\nRun folder: {run_dir}"
+    except OSError:
+        where = ""
+    print(textwrap.fill(f"ftbench: {error}", width=100) + where, file=sys.stderr)
+    return EXIT_SETTING
