@@ -143,3 +143,31 @@ def test_a_joblib_sweep_records_and_exits_like_the_basic_launcher(tmp_path):
     assert len(runs) == 2 and all(r["swept"] == ["schedule"] and r["status"] == "ok" for r in runs)
     out = ftbench(tmp_path / "oom", "--multirun", *joblib, *OOM, "seed=1,2")
     assert out.returncode == 3, out.stderr
+
+
+def test_sigterm_is_handled_like_ctrl_c_and_keeps_what_was_done(tmp_path):
+    import signal
+    import time
+
+    env = dict(os.environ, WANDB_MODE="disabled")
+    proc = subprocess.Popen([sys.executable, "-m", "ftbench", "strategy=none", "failures=none", "train.iterations=100000",
+                             "report.progress=false", "report.check_fault_free=false", f"hydra.run.dir={tmp_path}/run"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait for a few trained iterations
+            if metrics.exists() and metrics.read_text().count('"event": "iteration"') >= 3:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "error" and "SIGTERM" in summary["error"]
+    assert summary["iterations"] >= 3 and summary["samples"] == summary["iterations"] * summary["global_batch"]
+    assert all(isinstance(x, float) for x in summary["losses"][:3])
+    assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "error"
