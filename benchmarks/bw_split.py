@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from ftbench.engine.deferred import WeightGradStore, make_deferrable  # noqa: E402
-from models.gpt import build_stage  # noqa: E402
-from models.specs import resolve_model  # noqa: E402
+from ftbench.models.gpt import build_stage  # noqa: E402
+from ftbench.models.specs import resolve_model  # noqa: E402
 
 
 def main() -> None:

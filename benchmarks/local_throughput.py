@@ -29,7 +29,7 @@ def main() -> None:
     from ftbench.context import RunContext
     from ftbench.engine.reference import train_single_process
     from ftbench.run import execute
-    from models.data import make_source
+    from ftbench.models.data import make_source
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=6)

@@ -45,8 +45,8 @@ from ftbench.failures import FailureEvent  # noqa: E402
 from ftbench.report import plot_gantt_panels  # noqa: E402
 from ftbench.schedule import grid_worker  # noqa: E402
 from ftbench.sim.simulator import SimResult, simulate  # noqa: E402
-from strategies import build_strategy  # noqa: E402
-from strategies.recycle import LEVELS  # noqa: E402
+from ftbench.strategies import build_strategy  # noqa: E402
+from ftbench.strategies.recycle import LEVELS  # noqa: E402
 
 PP = 4
 MECHANISM = {

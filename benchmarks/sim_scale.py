@@ -23,7 +23,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 def main(extra: list[str]) -> None:
     from ftbench.cli import compose
     from ftbench.run import execute
-    from strategies import REGISTRY
+    from ftbench.strategies import REGISTRY
 
     base = ["experiment=sim-6.7b-1024gpu", "report.progress=false", "wandb.mode=disabled", *extra]
     print(f"{'strategy':<12} {'status':<14} {'wall s':>7} {'plans':>6} {'iterations':>11} "

@@ -27,9 +27,9 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from ftbench.config import register_configs
+from ftbench.paths import CONF_DIR
 from ftbench.run import AVAILABLE_BACKENDS, execute
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 EXIT_CODES = {"ok": 0, "error": 2, "oom": 3, "unrecoverable": 3, "diverged": 4}
 DISTRIBUTION = "ftbench"
 
@@ -53,7 +53,7 @@ def version_text() -> str:
 def _pyproject_version() -> str | None:
     """The version in the checkout's pyproject.toml (running from a checkout that is not installed)."""
     try:
-        text = (CONF_DIR.parent / "pyproject.toml").read_text()
+        text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     except OSError:
         return None
     match = re.search(r'^version\s*=\s*"([^"]+)"', text, flags=re.MULTILINE)

@@ -16,7 +16,7 @@ from ftbench.failures import KINDS as FAILURE_KINDS
 from ftbench.metrics import WandbSink
 from ftbench.plan import Plan, grid_plan
 from ftbench.schedule import GENERATORS, generate
-from models.specs import ModelSpec, resolve_model
+from ftbench.models.specs import ModelSpec, resolve_model
 
 # models.data.KINDS, spelled out: importing models.data imports torch, which simulator runs never need
 # (tests/test_startup.py checks the two agree).

@@ -17,7 +17,7 @@ from functools import lru_cache
 from ftbench.layers import GradientSync, Units
 from ftbench.plan import LayerRange, Plan
 from ftbench.schedule import B, BW, F, OPT, W, Op
-from models.specs import ModelSpec
+from ftbench.models.specs import ModelSpec
 
 ADAM_STATE_BYTES_PER_PARAM = 16
 ADAM_STEP_TRAFFIC_BYTES_PER_PARAM = 28  # read fp16 grad, r/w fp32 master, m, v; write fp16 weight

@@ -19,9 +19,8 @@ from typing import Iterable, Iterator
 
 from ftbench.config import parse_duration
 from ftbench.errors import ConfigError
+from ftbench.paths import TRACES_DIR
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-TRACES_DIR = PROJECT_ROOT / "conf" / "traces"
 KINDS = ("none", "scripted", "interval", "poisson", "trace")
 EVENT_KINDS = ("fail", "join")
 # A failure scripted "at iteration k" strikes this far into iteration k (of its simulated timeline).
@@ -281,7 +280,7 @@ def _trace(cfg, count: int | None) -> FailureScript:
 def _resolve_trace(path: str) -> Path:
     """As given (relative to the current folder), then in conf/traces/, then in the project root."""
     given = Path(path).expanduser()
-    candidates = [given] if given.is_absolute() else [given, TRACES_DIR / given, PROJECT_ROOT / given]
+    candidates = [given] if given.is_absolute() else [given, TRACES_DIR / given, TRACES_DIR.parent.parent / given]
     for candidate in candidates:
         if candidate.is_file():
             return candidate

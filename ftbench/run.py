@@ -27,8 +27,8 @@ from ftbench.loop import CLOCKS, run_loop
 from ftbench.sim.backend import SimBackend
 from ftbench.sim.cache import SimCache
 from ftbench.threads import configure as configure_threads
-from strategies import build_strategy
-from strategies.none import NoFaultTolerance
+from ftbench.strategies import build_strategy
+from ftbench.strategies.none import NoFaultTolerance
 
 # The local backend (ftbench.engine, ftbench.checkpoint, ftbench.equivalence, models.data,
 # models.gpt) imports torch and transformers: seconds. It is imported inside the local-backend
@@ -98,7 +98,7 @@ def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, met
         what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
         outcome = getattr(err, "outcome", None)
         if outcome is not None:  # what the run loop had done when it stopped
-            summary.update(_totals(outcome, outcome.global_batch))
+            summary.update(_totals(outcome, outcome.global_batch), global_batch=outcome.global_batch)
             if outcome.losses:
                 summary["losses"] = outcome.losses
         summary.update(status="error", error=what if interrupted else f"{type(err).__name__}: {err}")
@@ -197,7 +197,7 @@ def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: s
     from ftbench.engine.backend import LocalBackend
     from ftbench.engine.local import check_fits_host
     from ftbench.equivalence import compare
-    from models.gpt import save_pretrained
+    from ftbench.models.gpt import save_pretrained
 
     check_fits_host(ctx, cfg.cluster.dp, cfg.backend.dtype)
     engine = local_engine(cfg, ctx, strategy, run_dir, log)
@@ -229,7 +229,7 @@ def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: s
 def local_engine(cfg, ctx, strategy, run_dir: Path | None, log=None) -> LocalEngine:
     from ftbench.checkpoint import CheckpointStore, CheckpointWarning
     from ftbench.engine.local import LocalEngine
-    from models.data import make_source
+    from ftbench.models.data import make_source
 
     try:
         data = make_source(cfg.train.data, ctx.spec, ctx.seq_len, ctx.seed, cfg.train.data_path)

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.masking_utils import create_causal_mask
 
-from models.specs import ModelSpec
+from ftbench.models.specs import ModelSpec
 
 # Eager attention: plain matmul + softmax, deterministic on CPU and GPU (SDPA's fused
 # kernels may pick different algorithms per device and are not always deterministic).

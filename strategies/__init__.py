@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from ftbench.errors import ConfigError
-from strategies.base import Recovery, Strategy
-from strategies.checkfreq import CheckFreq
-from strategies.checkpoint import CheckpointRestart
-from strategies.elastic_horovod import ElasticHorovod
-from strategies.none import NoFaultTolerance
-from strategies.recycle import ReCycle
-from strategies.varuna import Varuna
+from ftbench.strategies.base import Recovery, Strategy
+from ftbench.strategies.checkfreq import CheckFreq
+from ftbench.strategies.checkpoint import CheckpointRestart
+from ftbench.strategies.elastic_horovod import ElasticHorovod
+from ftbench.strategies.none import NoFaultTolerance
+from ftbench.strategies.recycle import ReCycle
+from ftbench.strategies.varuna import Varuna
 
 REGISTRY: dict[str, type] = {cls.name: cls for cls in (NoFaultTolerance, CheckpointRestart, CheckFreq,
                                                        ElasticHorovod, Varuna, ReCycle)}

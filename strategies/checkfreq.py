@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from ftbench.actions import SNAPSHOT
-from strategies.checkpoint import CheckpointRestart
+from ftbench.strategies.checkpoint import CheckpointRestart
 
 
 class CheckFreq(CheckpointRestart):

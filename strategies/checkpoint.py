@@ -16,7 +16,7 @@ from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
-from strategies.base import Recovery
+from ftbench.strategies.base import Recovery
 
 
 def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:

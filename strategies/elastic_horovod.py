@@ -16,8 +16,8 @@ from ftbench.actions import MEMORY, Rendezvous, RestoreCheckpoint, SyncFromPeers
 from ftbench.cluster import Cluster
 from ftbench.failures import FailureEvent
 from ftbench.transfers import peer_copies
-from strategies.base import Recovery
-from strategies.checkpoint import CheckpointRestart
+from ftbench.strategies.base import Recovery
+from ftbench.strategies.checkpoint import CheckpointRestart
 
 
 class ElasticHorovod(CheckpointRestart):

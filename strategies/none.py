@@ -7,7 +7,7 @@ from __future__ import annotations
 from ftbench.cluster import Cluster
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
-from strategies.base import Recovery
+from ftbench.strategies.base import Recovery
 from ftbench.context import RunContext
 
 

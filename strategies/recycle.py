@@ -36,8 +36,8 @@ from ftbench.planning.library import METHODS, PlanLibrary, forms_up_to
 from ftbench.planning.problem import normalise, problem_for
 from ftbench.schedule import NO_MICROBATCH, OPT, Op, Schedule, grid_worker
 from ftbench.transfers import peer_copies
-from strategies.base import Recovery
-from strategies.checkpoint import CheckpointRestart
+from ftbench.strategies.base import Recovery
+from ftbench.strategies.checkpoint import CheckpointRestart
 
 LEVELS = ("reroute", "decoupled", "staggered")
 FALLBACKS = ("none", "checkpoint")

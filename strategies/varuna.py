@@ -16,8 +16,8 @@ from ftbench.costs import PlanCosts
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
 from ftbench.sim.simulator import simulate
-from strategies.base import Recovery
-from strategies.checkpoint import CheckpointRestart
+from ftbench.strategies.base import Recovery
+from ftbench.strategies.checkpoint import CheckpointRestart
 
 
 class Varuna(CheckpointRestart):

@@ -13,7 +13,7 @@ from ftbench.recovery_costs import action_seconds
 from ftbench.run import local_engine
 from ftbench.sim.backend import SimBackend
 from ftbench.transfers import peer_copies, transfer_seconds
-from strategies import build_strategy
+from ftbench.strategies import build_strategy
 
 
 def _instances(plan, ctx):

@@ -13,7 +13,6 @@ from ftbench.checkpoint import CheckpointStore, CheckpointWarning
 from ftbench.failures import FailureEvent, FailureScript, check_reachable
 from ftbench.planning.library import PlanCacheWarning, PlanLibrary, check_orders
 from ftbench.planning.problem import PlanningProblem, StageTimes
-from ftbench.schedule import Op
 
 from conftest import LOCAL, run
 

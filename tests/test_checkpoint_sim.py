@@ -1,14 +1,13 @@
 """The checkpoint family on the simulator: costs come from the cost model and the hardware
 profile, and time is accounted exactly."""
 import json
-import math
 
 import pytest
 
 from conftest import compose
 from ftbench.context import RunContext
-from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM, save_cost
-from strategies.checkpoint import young_daly_interval_s
+from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM
+from ftbench.strategies.checkpoint import young_daly_interval_s
 
 SIM = ("backend=sim", "model=gpt3-medium", "hardware=a100-80gb", "cluster.pp=4", "cluster.dp=2",
        "train.microbatches=8", "report.gantt=false")

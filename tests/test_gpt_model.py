@@ -4,12 +4,12 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from models.data import SyntheticTokens, TextFileTokens, batch, make_source
-from models.gpt import (
+from ftbench.models.data import SyntheticTokens, TextFileTokens, batch, make_source
+from ftbench.models.gpt import (
     build_stage, build_stages, init_full_model, lm_loss_sum, save_pretrained,
     state_dict_from_stages, tokens_per_sample,
 )
-from models.specs import MODEL_SPECS, ModelSpec
+from ftbench.models.specs import MODEL_SPECS, ModelSpec
 
 SPEC = MODEL_SPECS["gpt-tiny"]
 RANGES = [(0, 2), (2, 5), (5, 8)]

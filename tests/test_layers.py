@@ -15,7 +15,7 @@ from ftbench.layers import fragment_layout, stage_layout, stage_units, unit_of
 from ftbench.plan import Plan, holds_from_schedule
 from ftbench.schedule import OPT, Op, Schedule, dependency_graph, gpipe, one_f_one_b, validate, zb_h1
 from ftbench.sim.simulator import ops_completed_at, simulate
-from models.data import make_source
+from ftbench.models.data import make_source
 
 # gpt-tiny has 8 blocks. Units: 0 embeddings, 1..8 blocks, 9 final LayerNorm + head.
 PARTITION = (((0, 4), (4, 8)),

@@ -1,7 +1,6 @@
 """The local backend: real pipelined training, real failures, real recoveries, and the
 equivalence of every checkpoint preset with fault-free training."""
 import json
-import warnings
 
 import pytest
 import torch
@@ -14,9 +13,9 @@ from ftbench.engine.reference import train_single_process
 from ftbench.engine.worker import WorkerFailed
 from ftbench.equivalence import compare, load_state
 from ftbench.run import local_engine
-from models.data import make_source
-from models.gpt import build_stage, lm_loss_sum
-from strategies import build_strategy
+from ftbench.models.data import make_source
+from ftbench.models.gpt import build_stage, lm_loss_sum
+from ftbench.strategies import build_strategy
 
 ONE_FAILURE = ("failures=scripted", "failures.events=[{iteration:5,node:5}]")
 TWO_FAILURES = ("failures=scripted", "failures.events=[{iteration:3,node:1},{iteration:7,node:2}]")

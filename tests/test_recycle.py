@@ -15,7 +15,7 @@ from ftbench.planning.problem import (PlanningError, PlanningProblem, ProblemCos
                                       canonical_failed)
 from ftbench.schedule import validate
 from ftbench.sim.simulator import simulate
-from strategies import build_strategy
+from ftbench.strategies import build_strategy
 
 RECYCLE = ("strategy=recycle", "strategy.plan_cache=null")
 

@@ -111,7 +111,7 @@ def test_the_console_output_lands_in_the_run_folders_log(tmp_path):
 
 def test_context_knows_the_data_kinds_of_models_data():
     from ftbench.context import DATA_KINDS
-    from models.data import KINDS
+    from ftbench.models.data import KINDS
 
     assert tuple(DATA_KINDS) == tuple(KINDS)
 

@@ -10,7 +10,7 @@ from ftbench.engine.local import LocalEngine
 from ftbench.engine.transport import InProcessTransport
 from ftbench.layers import GradientSync
 from ftbench.schedule import F, Op
-from models.data import batch, make_source
+from ftbench.models.data import batch, make_source
 
 
 class RecordingTransport(InProcessTransport):

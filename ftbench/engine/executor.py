@@ -25,7 +25,7 @@ from ftbench.engine.transport import ACT, GRAD, InProcessTransport, Transport
 from ftbench.engine.worker import StageReplica, Worker
 from ftbench.layers import GradientSync, fragment_layout, model_layers
 from ftbench.schedule import B, BW, F, OPT, W, Op, dependency_graph, topological_order
-from models.gpt import lm_loss_sum
+from ftbench.models.gpt import lm_loss_sum
 
 
 @dataclass

@@ -20,8 +20,8 @@ from ftbench.engine.worker import StageReplica, Worker
 from ftbench.errors import ResultError
 from ftbench.layers import fragment_layout, model_layers, stage_units
 from ftbench.plan import checkpoint_writers
-from models.data import batch
-from models.gpt import build_stage
+from ftbench.models.data import batch
+from ftbench.models.gpt import build_stage
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}  # the choices of backend.dtype
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ftbench.engine.worker import make_optimizer
-from models.data import batch
-from models.gpt import init_full_model, lm_loss_sum
+from ftbench.models.data import batch
+from ftbench.models.gpt import init_full_model, lm_loss_sum
 
 
 def train_single_process(spec, seed: int, data, iterations: int, global_batch: int, microbatch_size: int,

@@ -16,7 +16,7 @@ import torch
 from ftbench.engine.deferred import WeightGradStore, make_deferrable
 from ftbench.layers import Units, in_units
 from ftbench.plan import LayerRange
-from models.gpt import Stage
+from ftbench.models.gpt import Stage
 
 
 class WorkerFailed(RuntimeError):
