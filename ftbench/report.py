@@ -530,6 +530,13 @@ class SweepCheck(Callback):
                 statuses.append(json.loads(path.read_text(encoding="utf-8")).get("status"))
             except (OSError, ValueError, AttributeError):
                 statuses.append(None)
+        from omegaconf import OmegaConf
+
+        mode = OmegaConf.select(config, "wandb.mode", default="disabled")
+        if statuses and mode != "disabled":  # log_sweep_table honours WANDB_MODE=disabled too  # one W&B table of the sweep's summaries, in the sweep's group
+            from ftbench.metrics import log_sweep_table
+
+            log_sweep_table(sweep_dir, OmegaConf.select(config, "wandb"))
         code = sweep_exit_code(statuses)
         if code:
             counts = ", ".join(f"{n} {status}" for status, n in
