@@ -37,6 +37,9 @@ class Varuna(CheckpointRestart):
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         alive = self.alive_workers(cluster)
         best = self.best_shape(len(alive), cluster.gpus_per_node)
+        if not alive:
+            return Recovery(unrecoverable=f"node {event.node} was the last node up: no worker is left to restart on "
+                            "(varuna morphs onto the survivors and does not wait for replacements)")
         if best is None:
             return Recovery(unrecoverable=f"no (pp, dp) shape of {self.ctx.spec.name} fits in memory on the "
                             f"{len(alive)} surviving workers")
