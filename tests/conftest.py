@@ -4,6 +4,9 @@ from pathlib import Path
 import pytest
 
 os.environ["WANDB_MODE"] = "disabled"  # no network here; tests never talk to W&B
+# Tests build tiny models, in this process and in CLI subprocesses: one intra-op thread each
+# (set before torch is imported; ftbench.threads caps its automatic choice at it).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 ROOT = Path(__file__).resolve().parents[1]
