@@ -113,7 +113,7 @@ def random_case(seed: int, strategy: str, backend: str = "local") -> Case:
     # Seconds per iteration, roughly (simulated gpt-tiny on the default GPU): only places
     # time-based events inside the run.
     iteration_s, time_events = 1e-4, rng.random() < 0.4
-    events, notes = _random_events(rng, nodes, iterations, iteration_s, time_events, modelled=True)
+    events, notes = _random_events(rng, nodes, iterations, iteration_s, time_events)
     srng = random.Random(f"ftbench-chaos/{seed}/{strategy}")
     strategy_overrides = [f"strategy={strategy}"]
     if strategy in WITH_EVERY:
@@ -128,7 +128,7 @@ def random_case(seed: int, strategy: str, backend: str = "local") -> Case:
 
 
 def _random_events(rng: random.Random, nodes: int, iterations: int, iteration_s: float,
-                   time_events: bool, modelled: bool) -> tuple[list[dict], list[str]]:
+                   time_events: bool) -> tuple[list[dict], list[str]]:
     """Iteration events (fails, joins of nodes that failed earlier or of new ids, bursts in one
     iteration, a node failing while down) and maybe time-based ones."""
     last = iterations - 1
@@ -177,9 +177,9 @@ def _random_events(rng: random.Random, nodes: int, iterations: int, iteration_s:
             down.add(node)
         events.append(event)
     if time_events:
-        for _ in range(rng.randint(1, 2 if modelled else 1)):
+        for _ in range(rng.randint(1, 2)):
             t = round(rng.uniform(0.2, 0.9) * iterations * iteration_s, 6)
-            if modelled and rng.random() < 0.3:  # past the seconds a first recovery takes
+            if rng.random() < 0.3:  # past the seconds a first recovery takes
                 t = round(rng.uniform(1.0, 80.0), 3)
             if rng.random() < 0.7:
                 events.append({"time_s": t, "node": rng.randrange(nodes)})
