@@ -16,12 +16,13 @@ script gives the same events, plans and lost work on every backend; the *wall* c
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ftbench.actions import SaveCheckpoint, WaitForReplacement
+from ftbench.actions import Rendezvous, RestartJob, SaveCheckpoint, WaitForReplacement
 from ftbench.cluster import Cluster
 from ftbench.errors import UserError
 from ftbench.events import EventQueue
@@ -96,9 +97,12 @@ class Checkpoints:
         self.stall = self.persist = self.T = 0.0
         self.measured = SaveCost(0.0, 0.0)  # wall clock: the last save's cost
         self._plan = None
+        self._cost: tuple | None = None  # (plan, its modelled SaveCost): the last one asked for
 
     def modelled_cost(self, plan) -> SaveCost:
-        return save_cost(self.mode, plan, self.cost_model)
+        if self._cost is None or self._cost[0] is not plan:
+            self._cost = (plan, save_cost(self.mode, plan, self.cost_model))
+        return self._cost[1]
 
     def use(self, plan, T: float | None) -> None:
         """Continue with `plan`, whose iteration takes T seconds (None: not measured yet)."""
@@ -172,6 +176,8 @@ class RunLoop:
         self.it, self.t, self.plan = 0, 0.0, None
         self._points: dict = {}
         self._wall0 = time.perf_counter()
+        self._nodes: tuple | None = None  # ((plan, its nodes), ...): the last two plans asked about
+        self._action_s: dict = {}  # (action, id(old), id(new)) -> (old, new, modelled seconds)
 
     # -- clock --------------------------------------------------------------------------
     def now(self) -> float:
@@ -180,7 +186,8 @@ class RunLoop:
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> LoopOutcome:
         try:
-            return self._run()
+            with _rare_collections(self.backend.jumps):
+                return self._run()
         except BaseException as err:  # Ctrl-C, SIGTERM, a bug: whoever reports it gets what was done
             self.out.iterations, self.out.time_s = self.it, self.now()
             err.outcome = self.out
@@ -241,7 +248,17 @@ class RunLoop:
         """Whether the event interrupts the iteration in flight: the failure of a live node
         that runs a worker of the plan."""
         return (event.kind == "fail" and self.cluster.is_alive(event.node)
-                and event.node in set(self.plan.node_of.values()))
+                and event.node in self._plan_nodes(self.plan))
+
+    def _plan_nodes(self, plan: Plan) -> frozenset[int]:
+        """The nodes `plan` runs on, kept for the last two plans asked about (plans are not
+        changed once made)."""
+        for hit in self._nodes or ():
+            if hit[0] is plan:
+                return hit[1]
+        nodes = frozenset(plan.node_of.values())
+        self._nodes = ((plan, nodes), *(self._nodes or ())[:1])
+        return nodes
 
     def _boundary_events(self) -> bool:
         """Apply what is due at this iteration boundary; True when anything was."""
@@ -380,7 +397,7 @@ class RunLoop:
         if recovery.shape is not None:
             cluster.pp, cluster.dp = recovery.shape
         old, new = self.plan, recovery.plan or self.plan
-        down = sorted({n for n in new.node_of.values() if not cluster.is_alive(n)})
+        down = sorted(self._plan_nodes(new) - cluster.alive)  # nodes of the plan that are not alive
         if down:
             raise RuntimeError(f"strategy {self.strategy.name!r} continued after {event.kind} of node {event.node} "
                                f"with a plan on failed node(s) {down}")
@@ -400,7 +417,7 @@ class RunLoop:
         if self.modelled:
             seconds = 0.0
             for action in actions:
-                seconds += action_seconds(action, old, new, self.ctx.cost_model)
+                seconds += self._action_seconds(action, old, new)
                 if isinstance(action, SaveCheckpoint):
                     self.ckpt.ledger.add(it, self.t + seconds)
             self.t += seconds
@@ -419,6 +436,19 @@ class RunLoop:
         out.recoveries.append(record)
         self.log({"event": "recovery", **record})
 
+    def _action_seconds(self, action, old: Plan, new: Plan) -> float:
+        """action_seconds, once per (action, old plan, new plan): a restart onto the same plan
+        after every failure costs the same each time."""
+        if isinstance(action, (WaitForReplacement, RestartJob, Rendezvous)):  # constants: nothing to keep
+            return action_seconds(action, old, new, self.ctx.cost_model)
+        key = (action, id(old), id(new))
+        hit = self._action_s.get(key)
+        if hit is None or hit[0] is not old or hit[1] is not new:
+            if len(self._action_s) >= 16:
+                del self._action_s[next(iter(self._action_s))]  # the oldest
+            hit = self._action_s[key] = (old, new, action_seconds(action, old, new, self.ctx.cost_model))
+        return hit[2]
+
     def _replace(self, nodes: tuple[int, ...]) -> WaitForReplacement:
         """Failed nodes get replacements: a standby at once while any is left, else a new
         node after `cluster.replacement_s`. The replacement takes the failed node's place."""
@@ -430,6 +460,33 @@ class RunLoop:
                 wait = self.cluster.replacement_s
             self.cluster.join(node)
         return WaitForReplacement(tuple(nodes), wait)
+
+
+# While a jumping backend (sim) runs, the cyclic garbage collector waits for this many new
+# container objects instead of 700: a simulated plan of 16,384 workers is some hundred
+# thousand small tuples and dicts, which the default thresholds traverse again and again
+# (a third of the run), while the loop makes almost no reference cycles (reference counting
+# frees the rest as usual).
+RARE_COLLECTION_THRESHOLD = 1_000_000
+
+
+class _rare_collections:
+    """Raise the garbage collector's first threshold for the duration (when `on`), then
+    restore the thresholds as they were."""
+
+    def __init__(self, on: bool):
+        self.on, self.saved = on, None
+
+    def __enter__(self):
+        if self.on:
+            self.saved = gc.get_threshold()
+            gc.set_threshold(max(self.saved[0], RARE_COLLECTION_THRESHOLD), *self.saved[1:])
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            gc.set_threshold(*self.saved)
+        return False
 
 
 def run_loop(ctx, strategy, cluster: Cluster, script: FailureScript, backend: Backend, timelines, log,

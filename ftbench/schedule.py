@@ -11,8 +11,13 @@ B (input gradient) and W (weight gradient) and defers W into the cool-down bubbl
 """
 from __future__ import annotations
 
+import marshal
+from array import array
 from collections import Counter, defaultdict, deque
+from itertools import chain
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 from ftbench.layers import GradientSync, Layout, stage_layout
@@ -33,8 +38,93 @@ class Op(NamedTuple):
         return f"{self.kind}(s{self.stage}{mb},p{self.pipeline})"
 
 
+# Op(kind, stage, microbatch, pipeline) without the named tuple's Python-level __new__: the
+# same object, built in C (for loops that build hundreds of thousands of ops).
+_op = partial(tuple.__new__, Op)
+
+
 class ScheduleError(ValueError):
     """A schedule that cannot be executed: missing, duplicated or deadlocking ops."""
+
+
+Template = tuple[tuple[str, int, int], ...]  # one worker's order, (kind, stage, micro-batch) per op
+
+
+class GridOps(MutableMapping):
+    """`Schedule.ops` of a generated grid, built lazily: each worker runs one *template* (a
+    fixed order of (kind, stage, micro-batch)) for one pipeline, so thousands of identical
+    pipelines cost one small record per worker until someone reads a worker's list.
+
+    Reading `ops[w]` builds the worker's list of Ops once and hands out that list (a caller
+    may change it, as with a plain dict). Readers that only look (the simulator, keys,
+    coverage) use `form(w)`, which says (template, pipeline) for a worker whose list was never
+    handed out, and `read(w)`, which builds the ops without handing them out.
+    """
+
+    def __init__(self, templates: tuple[Template, ...], of: dict[int, tuple[int, int]],
+                 lists: dict[int, list[Op]] | None = None, run: int | None = None):
+        self.templates = templates  # template id -> its order
+        self.of = of  # worker -> (template id, pipeline); every worker of the schedule, in order
+        self._lists: dict[int, list[Op]] = {} if lists is None else lists  # handed out (maybe changed)
+        # A generated grid: `of` is pipelines 0, 1, ... in turn, each `run` workers in stage
+        # order whose templates depend only on the pipeline's micro-batch count (None: unknown).
+        self.run = run
+
+    def __getitem__(self, w: int) -> list[Op]:
+        ops = self._lists.get(w)
+        if ops is None:
+            tid, d = self.of[w]
+            ops = self._lists[w] = [_op((k, s, m, d)) for k, s, m in self.templates[tid]]
+        return ops
+
+    def __setitem__(self, w: int, ops: list[Op]) -> None:
+        self._lists[w] = ops
+        if w not in self.of:
+            self.of[w] = (-1, -1)
+            self.run = None
+
+    def __delitem__(self, w: int) -> None:
+        del self.of[w]
+        self._lists.pop(w, None)
+        self.run = None
+
+    def regular(self) -> int | None:
+        """`run` while it holds: a generated grid none of whose lists was handed out."""
+        return None if self._lists else self.run
+
+    def __iter__(self):
+        return iter(self.of)
+
+    def __len__(self) -> int:
+        return len(self.of)
+
+    def __contains__(self, w) -> bool:
+        return w in self.of
+
+    def __repr__(self) -> str:
+        return f"GridOps({len(self.of)} workers, {len(self.templates)} templates)"
+
+    def form(self, w: int) -> tuple[int, int] | None:
+        """(template id, pipeline) of a worker whose list was never handed out, else None."""
+        return None if w in self._lists else self.of[w]
+
+    def read(self, w: int):
+        """The worker's ops, for reading only (not handed out: `form` stays valid)."""
+        ops = self._lists.get(w)
+        if ops is not None:
+            return ops
+        tid, d = self.of[w]
+        return [_op((k, s, m, d)) for k, s, m in self.templates[tid]]
+
+    def renamed(self, to: dict[int, int]) -> "GridOps":
+        """The same ops with worker w run by to[w] (lists already handed out are shared)."""
+        return GridOps(self.templates, {to[w]: f for w, f in self.of.items()},
+                       {to[w]: ops for w, ops in self._lists.items()}, self.run)
+
+
+def read_ops(schedule: "Schedule"):
+    """w -> the worker's ops for reading, without building lazily held lists for good."""
+    return getattr(schedule.ops, "read", schedule.ops.__getitem__)
 
 
 @dataclass
@@ -59,7 +149,8 @@ class Schedule:
     def index(self) -> dict[Op, int]:
         """op -> the worker that runs it (built once; schedules are not mutated after use)."""
         if self._index is None:
-            self._index = {o: w for w, ops in self.ops.items() for o in ops}
+            read = read_ops(self)
+            self._index = {o: w for w in self.ops for o in read(w)}
         return self._index
 
     def worker_of(self, op: Op) -> int:
@@ -74,25 +165,42 @@ class Schedule:
         return op if self.has(op) else Op(BW, stage, microbatch, pipeline)
 
     def key(self) -> tuple:
-        """Hashable identity, for memoising simulations of the same plan."""
+        """Hashable identity, for memoising simulations of the same plan. A lazily held grid
+        (GridOps) is keyed by its templates and (worker, template, pipeline) records, packed
+        into bytes: exact and small, without building its ops."""
+        ops = self.ops
+        if isinstance(ops, GridOps):
+            lazy = {w: f for w, f in ops.of.items() if w not in ops._lists} if ops._lists else ops.of
+            given = tuple((w, tuple(tuple(op) for op in ops._lists[w])) for w in sorted(ops._lists))
+            try:  # the records as three arrays of integers: workers, template ids, pipelines
+                records = b"|".join((array("q", lazy).tobytes(), array("q", chain.from_iterable(lazy.values())).tobytes()))
+            except (TypeError, OverflowError):
+                records = marshal.dumps(tuple(lazy.items()))
+            return ("grid", marshal.dumps((self.stages, self.microbatches, ops.templates, given)), records)
         return (self.stages, self.microbatches,
                 tuple((w, tuple(self.ops[w])) for w in self.workers))
 
 
-def dependencies(schedule: Schedule, op: Op, layout: Layout | None = None) -> list:
+def dependencies(schedule: Schedule, op: Op, layout: Layout | None = None, has=None) -> list:
     """Ops (and, for OPT, gradient syncs) that must finish before `op` may start, not counting
-    the worker's own order. `layout`: the plan's fragments (default: stage_layout)."""
+    the worker's own order. `layout`: the plan's fragments (default: stage_layout). `has(op)`:
+    whether the schedule runs op (default `schedule.has`; a caller that knows every op of op's
+    pipeline may pass a smaller index's test)."""
     kind, s, m, d = op
     last = schedule.stages[d] - 1
     if kind == F:
-        return [Op(F, s - 1, m, d)] if s > 0 else []
+        return [_op((F, s - 1, m, d))] if s > 0 else []
     if kind in (B, BW):
-        deps = [Op(F, s, m, d)]
+        deps = [_op((F, s, m, d))]
         if s < last:
-            deps.append(schedule.backward_input_op(s + 1, m, d))
+            if has is None:
+                deps.append(schedule.backward_input_op(s + 1, m, d))
+            else:
+                b = _op((B, s + 1, m, d))
+                deps.append(b if has(b) else _op((BW, s + 1, m, d)))
         return deps
     if kind == W:
-        return [Op(B, s, m, d)]
+        return [_op((B, s, m, d))]
     if kind == OPT:
         layout = layout or stage_layout(schedule.stages)
         return list(layout.of_position[(d, s)])
@@ -104,15 +212,19 @@ def replica_pipelines(schedule: Schedule, pipeline: int) -> list[int]:
     return [d for d, n in enumerate(schedule.stages) if n == schedule.stages[pipeline]]
 
 
-def sync_inputs(schedule: Schedule, sync: GradientSync, present=None) -> list[Op]:
+def sync_inputs(schedule: Schedule, sync: GradientSync, present=None, has=None, absent=frozenset()) -> list[Op]:
     """Every op producing a weight gradient of the sync's fragment (of the `present` pipelines;
-    default all): the all-reduce's inputs."""
+    default all): the all-reduce's inputs. `has`: as in `dependencies`. `absent`: (pipeline,
+    micro-batch) flows left out (the simulator times one copy of identical parts)."""
+    has = has or schedule.has
     ops = []
     for d, stage in sync.holders:
         if present is None or d in present:
             for m in range(schedule.microbatches[d]):
-                w = Op(W, stage, m, d)
-                ops.append(w if schedule.has(w) else Op(BW, stage, m, d))
+                if absent and (d, m) in absent:
+                    continue
+                w = _op((W, stage, m, d))
+                ops.append(w if has(w) else _op((BW, stage, m, d)))
     return ops
 
 
@@ -134,7 +246,47 @@ def check_coverage(schedule: Schedule) -> None:
 
 
 def _coverage_problems(schedule: Schedule) -> list[str]:
-    counts = Counter(op for ops in schedule.ops.values() for op in ops)
+    if isinstance(schedule.ops, GridOps):
+        if _grid_covered(schedule):
+            return []
+        if schedule.ops._lists:
+            return _mixed_coverage_problems(schedule)
+    read = read_ops(schedule)
+    return _problems_of(schedule, Counter(op for w in schedule.ops for op in read(w)), range(len(schedule.stages)))
+
+
+def _mixed_coverage_problems(schedule: Schedule) -> list[str]:
+    """A lazy grid with some lists (ReCycle's re-routed workers): pipelines whose ops all sit
+    in untouched templates are checked by template, once per distinct one, the others op by op."""
+    ops = schedule.ops
+    listed = {op.pipeline for w in ops._lists for op in ops._lists[w]}
+    templated = defaultdict(list)
+    for w, (tid, d) in ops.of.items():
+        if w not in ops._lists:
+            templated[d].append(tid)
+    mixed = listed | {d for d in range(len(schedule.stages)) if d not in templated}
+    checked: dict[tuple, bool] = {}
+    for d, tids in templated.items():
+        if d in mixed:
+            continue
+        key = (tuple(tids), schedule.stages[d], schedule.microbatches[d])
+        if key not in checked:
+            one = Schedule({i: [Op(k, s, m, 0) for k, s, m in ops.templates[t]] for i, t in enumerate(key[0])},
+                           stages=(key[1],), microbatches=(key[2],))
+            checked[key] = not _coverage_problems(one)
+        if not checked[key]:
+            return _problems_of(schedule, Counter(op for w in ops for op in ops.read(w)), range(len(schedule.stages)))
+    counts = Counter(op for w in ops if w in ops._lists or ops.of[w][1] in mixed for op in ops.read(w))
+    stepped = {(s, d) for d in templated if d not in mixed for s in range(schedule.stages[d])}
+    return _problems_of(schedule, counts, sorted(mixed), stepped)
+
+
+_SPLIT, _FUSED = {F, B, W}, {F, BW}
+
+
+def _problems_of(schedule: Schedule, counts: Counter, pipelines, stepped=frozenset()) -> list[str]:
+    """Coverage problems of `pipelines`, given every op that may belong to them, counted;
+    `stepped`: (stage, pipeline) known to step elsewhere (checked by template)."""
     problems = [f"{op} appears {n} times" for op, n in counts.items() if n > 1]
     for op in counts:
         d = op.pipeline
@@ -142,76 +294,150 @@ def _coverage_problems(schedule: Schedule) -> list[str]:
                 or not 0 <= op.stage < schedule.stages[d] \
                 or (op.kind != OPT and not 0 <= op.microbatch < schedule.microbatches[d]):
             problems.append(f"{op} is outside the schedule's shape")
-    for d, (stages, mbs) in enumerate(zip(schedule.stages, schedule.microbatches)):
+    kinds_of = defaultdict(set)  # (stage, micro-batch, pipeline) -> the kinds run for it
+    for kind, st, m, d in counts:
+        kinds_of[(st, m, d)].add(kind)
+    for d in pipelines:
+        stages, mbs = schedule.stages[d], schedule.microbatches[d]
+        replicas = replica_pipelines(schedule, d)
         for s in range(stages):
-            if not any(Op(OPT, s, NO_MICROBATCH, e) in counts for e in replica_pipelines(schedule, d)):
+            if not any(OPT in kinds_of.get((s, NO_MICROBATCH, e), ()) or (s, e) in stepped for e in replicas):
                 problems.append(f"stage {s} of pipeline {d} has no optimizer step")
             for m in range(mbs):
-                if Op(F, s, m, d) not in counts:
+                kinds = kinds_of.get((s, m, d), set())
+                if kinds == _SPLIT or kinds == _FUSED:
+                    continue  # the usual cases, checked at once
+                if F not in kinds:
                     problems.append(f"missing {Op(F, s, m, d)}")
-                split = Op(B, s, m, d) in counts or Op(W, s, m, d) in counts
-                fused = Op(BW, s, m, d) in counts
+                split = B in kinds or W in kinds
+                fused = BW in kinds
                 if split and fused:
                     problems.append(f"micro-batch {m} of pipeline {d} is backpropagated twice at stage {s}")
-                elif split and not (Op(B, s, m, d) in counts and Op(W, s, m, d) in counts):
+                elif split and not (B in kinds and W in kinds):
                     problems.append(f"stage {s} micro-batch {m} pipeline {d} has B without W or W without B")
                 elif not split and not fused:
                     problems.append(f"missing backward of stage {s} micro-batch {m} pipeline {d}")
     return problems
 
 
+def _grid_covered(schedule: Schedule) -> bool:
+    """A lazily held grid whose lists were never handed out covers its shape when each
+    pipeline's templates do: checked once per distinct (templates, stages, micro-batches), as
+    a one-pipeline schedule (which must step each stage itself). False: look op by op."""
+    ops = schedule.ops
+    if ops._lists:
+        return False
+    run = ops.regular()
+    if run is not None and len(ops.of) == run * len(schedule.stages):
+        # a generated grid: pipeline d is the d-th run of workers, its templates set by its count
+        tids = [tid for tid, _ in ops.of.values()]
+        first = {}  # (stages, micro-batches) -> the first pipeline of that shape
+        for d, shape in enumerate(zip(schedule.stages, schedule.microbatches)):
+            first.setdefault(shape, d)
+        by_pipeline = {d: tids[d * run:(d + 1) * run] for d in first.values()}
+    else:
+        by_pipeline = defaultdict(list)
+        for tid, d in ops.of.values():
+            by_pipeline[d].append(tid)
+        if set(by_pipeline) != set(range(len(schedule.stages))):
+            return False
+    checked: dict[tuple, bool] = {}
+    for d, tids in by_pipeline.items():
+        key = (tuple(tids), schedule.stages[d], schedule.microbatches[d])
+        ok = checked.get(key)
+        if ok is None:
+            one = Schedule({i: [Op(k, s, m, 0) for k, s, m in ops.templates[t]] for i, t in enumerate(key[0])},
+                           stages=(key[1],), microbatches=(key[2],))
+            ok = checked[key] = not _coverage_problems(one)
+        if not ok:
+            return False
+    return True
+
+
 def dependency_graph(schedule: Schedule, present: set[int] | None = None,
-                     layout: Layout | None = None) -> dict:
+                     layout: Layout | None = None, workers=None, has=None, absent=frozenset()) -> dict:
     """node -> the nodes it waits for, for every op and every GradientSync some step waits
     for. A sync waits for the weight gradients of the `present` pipelines only (default: all).
-    `layout`: the plan's fragments (ftbench.layers.fragment_layout; default: stage_layout)."""
+    `layout`: the plan's fragments (ftbench.layers.fragment_layout; default: stage_layout).
+    `workers`: only the ops of these workers (default: all), which must run every op of the
+    `present` pipelines; `has`: as in `dependencies`."""
     layout = layout or stage_layout(schedule.stages)
     deps: dict = {}
-    for ops in schedule.ops.values():
-        for op in ops:
-            deps[op] = dependencies(schedule, op, layout)
+    done: set[int] = set()  # ids of the syncs already in deps (a sync's hash covers all its holders)
+    read = read_ops(schedule)
+    for w in (schedule.ops if workers is None else workers):
+        for op in read(w):
+            deps[op] = dependencies(schedule, op, layout, has)
             if op.kind == OPT:
                 for sync in deps[op]:
-                    if sync not in deps:
-                        deps[sync] = sync_inputs(schedule, sync, present)
+                    if id(sync) not in done and sync not in deps:
+                        deps[sync] = sync_inputs(schedule, sync, present, has, absent)
+                    done.add(id(sync))
     return deps
 
 
-def topological_order(schedule: Schedule, deps: dict, skip_workers=frozenset()) -> list:
+def topological_order(schedule: Schedule, deps: dict, skip_workers=frozenset(), workers=None) -> list:
     """The nodes of `deps` in an order that respects both the dependencies and each worker's
     own order (Kahn's algorithm, O(ops)); ScheduleError when some worker can never go on.
-    Workers in `skip_workers` are left out (their ops must not be in `deps`)."""
-    missing = next(((op, d) for op, ds in deps.items() for d in ds if d not in deps), None)
-    if missing:
-        raise ScheduleError(f"{missing[0]} depends on {missing[1]}, which no worker runs")
-    waiting = {node: len(ds) for node, ds in deps.items()}
-    dependents = defaultdict(list)
+    Workers in `skip_workers`, or not in `workers` when given, are left out (their ops must
+    not be in `deps`)."""
+    nodes, preds, chains = indexed_graph(schedule, deps, skip_workers, workers)
+    order = kahn_order(preds, chains)
+    if len(order) < len(nodes):
+        _raise_deadlock(schedule, deps, {nodes[i] for i in order}, skip_workers, workers)
+    return [nodes[i] for i in order]
+
+
+def indexed_graph(schedule: Schedule, deps: dict, skip_workers=frozenset(), workers=None):
+    """`deps` over node indices, for loops that should not hash ops (or fragment syncs, whose
+    hash covers every holder) again and again: (nodes in `deps`' order, per node the indices
+    it waits for, per worker its nodes' indices in order). ScheduleError when a node waits
+    for one that no worker runs."""
+    nodes = list(deps)
+    index = {node: i for i, node in enumerate(nodes)}
+    synced = {id(node): i for i, node in enumerate(nodes) if isinstance(node, GradientSync)}  # no rehashing
+    preds = []
     for node, ds in deps.items():
-        for d in ds:
-            dependents[d].append(node)
-    for w, ops in schedule.ops.items():
-        if w not in skip_workers:
-            for a, b in zip(ops, ops[1:]):
-                waiting[b] += 1
-                dependents[a].append(b)
-    ready = deque(node for node, n in waiting.items() if n == 0)
+        ins = [synced[id(d)] if id(d) in synced else index.get(d, -1) for d in ds]
+        if -1 in ins:
+            raise ScheduleError(f"{node} depends on {ds[ins.index(-1)]}, which no worker runs")
+        preds.append(ins)
+    read = read_ops(schedule)
+    chains = [[index[op] for op in read(w)] for w in (schedule.ops if workers is None else workers)
+              if w not in skip_workers]
+    return nodes, preds, chains
+
+
+def kahn_order(preds: list[list[int]], chains: list[list[int]]) -> list[int]:
+    """Kahn's algorithm over node indices: `preds[i]` the nodes i waits for, `chains` each
+    worker's nodes in its order. Shorter than `preds` when some node can never run."""
+    n = len(preds)
+    waiting = [len(ins) for ins in preds]
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for i, ins in enumerate(preds):
+        for j in ins:
+            dependents[j].append(i)
+    for chain in chains:
+        for a, b in zip(chain, chain[1:]):
+            waiting[b] += 1
+            dependents[a].append(b)
+    ready = deque(i for i in range(n) if waiting[i] == 0)
     order = []
     while ready:
-        node = ready.popleft()
-        order.append(node)
-        for child in dependents.get(node, ()):
+        i = ready.popleft()
+        order.append(i)
+        for child in dependents[i]:
             waiting[child] -= 1
             if waiting[child] == 0:
                 ready.append(child)
-    if len(order) < len(deps):
-        _raise_deadlock(schedule, deps, set(order), skip_workers)
     return order
 
 
-def _raise_deadlock(schedule: Schedule, deps: dict, done: set, skip_workers) -> None:
+def _raise_deadlock(schedule: Schedule, deps: dict, done: set, skip_workers, workers=None) -> None:
     heads = []
-    for w, ops in schedule.ops.items():
-        head = next((op for op in ops if op not in done), None)
+    read = read_ops(schedule)
+    for w in (schedule.ops if workers is None else workers):
+        head = next((op for op in read(w) if op not in done), None)
         if w in skip_workers or head is None:
             continue
         waiting = next((d for d in deps[head] if d not in done), None)
@@ -255,9 +481,23 @@ def _per_pipeline(m, dp: int) -> tuple[int, ...]:
 
 
 def _grid(pp: int, m, dp: int, name: str, order) -> Schedule:
+    """Worker (d, s) runs `order(s, d, counts[d])`. Every pipeline with the same micro-batch
+    count runs the same orders up to the pipeline index, so each (stage, count) is generated
+    once, as a template, and the ops are held lazily (GridOps)."""
     counts = _per_pipeline(m, dp)
-    ops = {grid_worker(d, s, pp): order(s, d, counts[d]) for d in range(dp) for s in range(pp)}
-    return Schedule(ops, stages=(pp,) * dp, microbatches=counts, name=name)
+    tid: dict[tuple[int, int], int] = {}  # (stage, micro-batches) -> template id
+    templates: list[Template] = []
+    for c in sorted(set(counts)):
+        for s in range(pp):
+            ops = order(s, 0, c)
+            if any(op.pipeline != 0 for op in ops):  # an order that mixes pipelines: hold it as it is
+                return Schedule({grid_worker(d, s, pp): order(s, d, counts[d]) for d in range(dp) for s in range(pp)},
+                                stages=(pp,) * dp, microbatches=counts, name=name)
+            tid[(s, c)] = len(templates)
+            templates.append(tuple((k, st, mb) for k, st, mb, _ in ops))
+    row = {c: [tid[(s, c)] for s in range(pp)] for c in set(counts)}  # count -> template id per stage
+    of = {d * pp + s: (row[c][s], d) for d, c in enumerate(counts) for s in range(pp)}  # grid_worker(d, s, pp)
+    return Schedule(GridOps(tuple(templates), of, run=pp), stages=(pp,) * dp, microbatches=counts, name=name)
 
 
 def gpipe(pp: int, m, dp: int = 1) -> Schedule:

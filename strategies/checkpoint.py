@@ -15,7 +15,8 @@ from ftbench.actions import FILE, RestartJob, RestoreCheckpoint
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
-from ftbench.plan import Plan
+from ftbench.plan import Plan, grid_plan
+from ftbench.schedule import generate
 from ftbench.strategies.base import Recovery
 
 
@@ -57,7 +58,10 @@ class CheckpointRestart:
         return self.current
 
     def nodes_in_use(self) -> set[int]:
-        return set(self.current.node_of.values())
+        cached = getattr(self, "_nodes_in_use", None)  # (plan, its nodes): plans are not changed once made
+        if cached is None or cached[0] is not self.current:
+            cached = self._nodes_in_use = (self.current, frozenset(self.current.node_of.values()))
+        return set(cached[1])
 
     def checkpoint_interval(self, iteration_s: float, stall_s: float, persist_s: float) -> int:
         """Iterations between checkpoints: fixed, or Young/Daly for this job's MTBF."""
@@ -74,8 +78,31 @@ class CheckpointRestart:
             return Recovery()  # an idle node: nothing to recover
         return self.on_failure(event, cluster, iteration)
 
+    def grid_on(self, cluster: Cluster, pp: int, dp: int, workers: list[int]) -> Plan:
+        """ctx.grid_plan(pp, dp, gpus_per_node).on_workers(workers, cluster.node_of), built in
+        one go (thousands of workers after each failure at scale)."""
+        ctx = self.ctx
+        schedule = generate(ctx.schedule_name, pp, ctx.split_microbatches(dp), dp)
+        nodes = self.worker_nodes(cluster)  # cluster.node_of, looked up
+        return grid_plan(schedule, ctx.cost_model.balanced_partition(pp), pp, cluster.gpus_per_node,
+                         node_of=nodes.__getitem__, workers=workers)
+
     def alive_workers(self, cluster: Cluster) -> list[int]:
-        return [w for w in range(cluster.workers) if cluster.is_alive(cluster.node_of(w))]
+        """Workers on live nodes, in id order."""
+        alive = cluster.alive
+        return [w for w, node in enumerate(self.worker_nodes(cluster)) if node in alive]
+
+    def worker_nodes(self, cluster: Cluster) -> list[int]:
+        """cluster.node_of(w) for every worker id w. The placement is physical and fixed for
+        the run, so the table is kept (and extended when nodes join)."""
+        key = (cluster.layout, cluster.gpus_per_node, cluster.placement)
+        table = getattr(self, "_node_table", None)
+        if table is None or table[0] != key:
+            table = self._node_table = (key, [])
+        nodes = table[1]
+        if len(nodes) < cluster.workers:
+            nodes.extend(cluster.node_of(w) for w in range(len(nodes), cluster.workers))
+        return nodes if len(nodes) == cluster.workers else nodes[:cluster.workers]
 
     def on_join(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         if event.node not in self.nodes_in_use():

@@ -15,6 +15,7 @@ from __future__ import annotations
 from ftbench.actions import MEMORY, Rendezvous, RestoreCheckpoint, SyncFromPeers
 from ftbench.cluster import Cluster
 from ftbench.failures import FailureEvent
+from ftbench.plan import Plan
 from ftbench.transfers import peer_copies
 from ftbench.strategies.base import Recovery
 from ftbench.strategies.checkpoint import CheckpointRestart
@@ -33,35 +34,75 @@ class ElasticHorovod(CheckpointRestart):
         pp = cluster.pp
         dp = len(placement) // pp
         self.placement = placement[:dp * pp]
-        self.current = self.ctx.grid_plan(pp, dp, cluster.gpus_per_node).on_workers(self.placement, cluster.node_of)
+        self.current = self.grid_on(cluster, pp, dp, self.placement)
         return self.current
 
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         pp = cluster.pp
-        held = {stage for w, replicas in self.current.holds.items() if cluster.is_alive(cluster.node_of(w))
-                for _, stage in replicas}
-        lost = sorted(set(range(pp)) - held)
+        alive = self.alive_workers(cluster)
+        up = set(alive)
+        lost = sorted(set(range(pp)) - self._held_stages(up, pp))
         if lost:
             return Recovery(unrecoverable=f"every replica of stage {lost[0]} failed, and its in-memory commit with "
                             "it; elastic-horovod keeps no copy elsewhere (use checkpoint or varuna)")
-        alive = self.alive_workers(cluster)
         dp = min(len(alive) // pp, self.ctx.global_batch // self.ctx.microbatch_size)
         if dp == 0:
             return Recovery(unrecoverable=f"only {len(alive)} workers survive, fewer than one pipeline of "
                             f"pp={pp} stages; elastic-horovod cannot shrink below one pipeline")
         old = self.current
         new = self._reshape(cluster, alive[:dp * pp])
-        copies = peer_copies(old, new, lambda w: cluster.is_alive(cluster.node_of(w)), self.ctx.cost_model)
-        return Recovery(actions=[Rendezvous(), RestoreCheckpoint(MEMORY, copies)], plan=new)
+        return Recovery(actions=[Rendezvous(), RestoreCheckpoint(MEMORY, self._copies(old, new, up))], plan=new)
 
     def on_join(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         pp, dp = cluster.pp, len(self.placement) // cluster.pp
-        idle = [w for w in self.alive_workers(cluster) if w not in self.placement]
+        alive = self.alive_workers(cluster)
+        placed = set(self.placement)
+        idle = [w for w in alive if w not in placed]
         grow = min(len(idle) // pp, self.max_dp - dp, self.ctx.global_batch // self.ctx.microbatch_size - dp)
         if grow <= 0:
             return Recovery()
         # Workers in place keep their stages; the new pipelines are synced from them.
         old = self.current
         plan = self._reshape(cluster, self.placement + idle[:grow * pp])
-        copies = peer_copies(old, plan, lambda w: cluster.is_alive(cluster.node_of(w)), self.ctx.cost_model)
-        return Recovery(actions=[Rendezvous(), SyncFromPeers(copies)], plan=plan)
+        return Recovery(actions=[Rendezvous(), SyncFromPeers(self._copies(old, plan, set(alive)))], plan=plan)
+
+    def _held_stages(self, up: set[int], pp: int) -> set[int]:
+        """Stages some live worker of the current plan holds (looking no further once all pp are)."""
+        held, every = set(), set(range(pp))
+        for w, replicas in self.current.holds.items():
+            if w in up:
+                held.update(stage for _, stage in replicas)
+                if len(held) >= pp and every <= held:
+                    break
+        return held
+
+    def _copies(self, old: Plan, new: Plan, up: set[int]):
+        """peer_copies(old, new) with the live workers `up`; () at once when every worker of
+        `new` is live and already holds each of its stages in `old` (as happens when whole
+        pipelines go: survivors keep their stage), which is what peer_copies would find."""
+        if _keeps_stages(old, new, up):
+            return ()
+        return peer_copies(old, new, up.__contains__, self.ctx.cost_model)
+
+
+def _keeps_stages(old: Plan, new: Plan, up: set[int]) -> bool:
+    """Whether every worker of `new` is in `up` and held, in `old`, a replica of each stage it
+    holds in `new`, both plans cutting the layers one way for all their pipelines of one depth
+    (so a replica's layers are its stage's): then no state needs to move."""
+    stages = set(old.schedule.stages) | set(new.schedule.stages)
+    if len(stages) != 1:
+        return False
+    cut = old.partition[0]
+    if not all(p is cut or p == cut for plan in (old, new) for p in plan.partition):
+        return False
+    before = old.holds
+    for w, held in new.holds.items():
+        had = before.get(w)
+        if had is None or w not in up:
+            return False
+        if len(held) == 1 and len(had) == 1:
+            if held[0][1] != had[0][1]:
+                return False
+        elif not {s for _, s in held} <= {s for _, s in had}:
+            return False
+    return True

@@ -10,12 +10,16 @@ the iteration boundary and restarts in that shape ("morphs up"), losing no itera
 """
 from __future__ import annotations
 
+from math import gcd
+
 from ftbench.actions import FILE, RestartJob, RestoreCheckpoint, SaveCheckpoint
 from ftbench.cluster import Cluster
 from ftbench.costs import PlanCosts
 from ftbench.failures import FailureEvent
-from ftbench.plan import Plan
-from ftbench.sim.simulator import simulate
+from ftbench.layers import GradientSync
+from ftbench.plan import Plan, grid_plan
+from ftbench.schedule import generate
+from ftbench.sim.simulator import Simulation
 from ftbench.strategies.base import Recovery
 from ftbench.strategies.checkpoint import CheckpointRestart
 
@@ -27,6 +31,7 @@ class Varuna(CheckpointRestart):
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
         self._estimates: dict[tuple[int, int, int], float] = {}
+        self._kinds: dict[tuple, tuple[Simulation, bool]] = {}  # a kind of pipeline -> its simulation alone, fits?
         self.configured_pp = None
 
     def plan(self, cluster: Cluster) -> Plan:
@@ -57,7 +62,7 @@ class Varuna(CheckpointRestart):
 
     def _morph(self, cluster: Cluster, shape: tuple[int, int], alive: list[int]) -> Plan:
         pp, dp = shape
-        self.current = self.ctx.grid_plan(pp, dp, cluster.gpus_per_node).on_workers(alive[:pp * dp], cluster.node_of)
+        self.current = self.grid_on(cluster, pp, dp, alive[:pp * dp])
         return self.current
 
     def best_shape(self, workers: int, gpus_per_node: int) -> tuple[int, int] | None:
@@ -76,10 +81,62 @@ class Varuna(CheckpointRestart):
         return best
 
     def _iteration_time(self, pp: int, dp: int, gpus_per_node: int) -> float:
+        """The simulated iteration time of ctx.grid_plan(pp, dp, gpus_per_node), inf where it
+        does not fit in memory.
+
+        On that grid (worker d * pp + s on node worker // gpus_per_node) pipeline d differs
+        from another only in its micro-batch count (the first `total % dp` take one more) and
+        in where its stages fall on nodes, which repeats every gpus_per_node / gcd(pp,
+        gpus_per_node) pipelines; everything else (layers, stages, orders) is the same.
+        Pipelines meet only in the gradient all-reduces, each of which starts when the last
+        pipeline's gradients of its layers are ready. So each kind of pipeline is simulated
+        once, alone, on the nodes it has in the grid (every transfer costs what it costs
+        there), and the grid's iteration is those timelines with each all-reduce starting at
+        the latest of the kinds' starts and charged as over all dp pipelines: the same
+        iteration time and peak memory as simulating the grid."""
         key = (pp, dp, gpus_per_node)
         if key not in self._estimates:
-            plan: Plan = self.ctx.grid_plan(pp, dp, gpus_per_node)
-            result = simulate(plan.schedule, PlanCosts(self.ctx.cost_model, plan))
-            fits = max(result.peak_memory_bytes.values()) <= self.ctx.cost_model.memory_bytes
-            self._estimates[key] = result.iteration_time if fits else float("inf")
+            total = self.ctx.global_batch // self.ctx.microbatch_size
+            extra = total % dp  # ctx.split_microbatches: pipelines d < extra take one more
+            period = gpus_per_node // gcd(pp, gpus_per_node)
+            kinds = {(total // dp + (1 if d < extra else 0), d * pp % gpus_per_node)
+                     for d in [*range(min(extra, period)), *range(extra, min(dp, extra + period))]}
+            alone = [self._alone(pp, gpus_per_node, *kind) for kind in sorted(kinds)]
+            if not all(fits for _, fits in alone):
+                self._estimates[key] = float("inf")
+            else:
+                starts: dict = {}
+                for simulation, _ in alone:
+                    for units, t in simulation.sync_starts().items():
+                        if units not in starts or t > starts[units]:
+                            starts[units] = t
+                sync_time = _GridSyncTime(self.ctx.cost_model, pp, dp, gpus_per_node)
+                self._estimates[key] = max(simulation.iteration_time(sync_time, starts) for simulation, _ in alone)
         return self._estimates[key]
+
+    def _alone(self, pp: int, gpus_per_node: int, microbatches: int, phase: int) -> tuple[Simulation, bool]:
+        """One pipeline of `microbatches` whose first stage sits `phase` GPUs into a node,
+        simulated alone (kept: the same kind recurs as dp changes), and whether it fits in memory."""
+        kind = (pp, gpus_per_node, microbatches, phase)
+        if kind not in self._kinds:
+            schedule = generate(self.ctx.schedule_name, pp, microbatches, 1)
+            plan = grid_plan(schedule, self.ctx.cost_model.balanced_partition(pp), pp, gpus_per_node,
+                             node_of=lambda w: (phase + w) // gpus_per_node)
+            simulation = Simulation(plan.schedule, PlanCosts(self.ctx.cost_model, plan))
+            peak = max(simulation.result().peak_memory_bytes.values())
+            self._kinds[kind] = (simulation, peak <= self.ctx.cost_model.memory_bytes)
+        return self._kinds[kind]
+
+
+class _GridSyncTime:
+    """Seconds of a fragment's ring all-reduce over the grid (pp, dp) on gpus_per_node-GPU
+    nodes: its members are workers d * pp + s, d < dp (one per pipeline), on one node only if
+    the first and the last are (node = worker // gpus_per_node)."""
+
+    def __init__(self, model, pp: int, dp: int, gpus_per_node: int):
+        self.model, self.pp, self.dp, self.gpus_per_node = model, pp, dp, gpus_per_node
+
+    def __call__(self, sync: GradientSync, workers: list[int]) -> float:
+        s, g = sync.stage, self.gpus_per_node
+        one_node = s // g == ((self.dp - 1) * self.pp + s) // g
+        return self.model.allreduce_s(self.model.unit_params(sync.units), self.dp, one_node)

@@ -22,6 +22,7 @@ class SimBackend:
         self.ctx = ctx
         self.saved: list[int] = []  # iterations of the checkpoints that exist (newest few)
         self._peak: dict[int, float] = {}
+        self._checked: tuple[SimResult, str | None] | None = None  # the last result checked, and its answer
 
     def start(self, plan: Plan) -> None:
         self.saved = []
@@ -56,8 +57,16 @@ class SimBackend:
         pass
 
     def check_memory(self, plan: Plan, result: SimResult) -> str | None:
-        for w, peak in result.peak_memory_bytes.items():
-            self._peak[w] = max(self._peak.get(w, 0.0), peak)
+        # The loop asks again after every event; a result already folded in changes nothing.
+        if self._checked is not None and self._checked[0] is result:
+            return self._checked[1]
+        problem = self._check_memory(result)
+        self._checked = (result, problem)
+        return problem
+
+    def _check_memory(self, result: SimResult) -> str | None:
+        get = self._peak.get
+        self._peak.update({w: max(get(w, 0.0), peak) for w, peak in result.peak_memory_bytes.items()})
         worker, peak = max(result.peak_memory_bytes.items(), key=lambda kv: kv[1])
         if peak <= self.ctx.cost_model.memory_bytes:
             return None

@@ -2,10 +2,19 @@
 failure points, memory) and the `sim` backend's whole cost of an iteration."""
 from __future__ import annotations
 
+import hashlib
+import marshal
+from collections import OrderedDict
+
 from ftbench.costs import PlanCosts
 from ftbench.plan import Plan
 from ftbench.schedule import check_coverage
 from ftbench.sim.simulator import SimResult, simulate
+
+# Results kept, least recently used first out, up to this many workers in all (a result holds
+# per-worker figures): a hundred plans of 1,024 workers, or eight of 16,384.
+KEEP_WORKERS = 1 << 17
+KEEP_PLANS = 8  # plans recognised by identity, without computing their key
 
 
 class SimCache:
@@ -13,13 +22,16 @@ class SimCache:
 
     def __init__(self, cost_model, enabled: bool = True):
         self.cost_model, self.enabled = cost_model, enabled
-        self._results: dict[tuple, SimResult] = {}
-        self._by_id: dict[int, tuple[Plan, SimResult]] = {}
+        self._results: OrderedDict[tuple, SimResult] = OrderedDict()
+        self._kept_workers = 0
+        self._seen: set = set()  # every distinct plan simulated (its key's digest)
+        self._by_id: OrderedDict[int, tuple[Plan, SimResult]] = OrderedDict()
         self.simulations = 0
 
     def __call__(self, plan: Plan) -> SimResult:
         hit = self._by_id.get(id(plan))
         if hit is not None and hit[0] is plan:
+            self._by_id.move_to_end(id(plan))
             return hit[1]
         key = plan.key() if self.enabled else None
         result = self._results.get(key) if self.enabled else None
@@ -28,10 +40,55 @@ class SimCache:
             result = simulate(plan.schedule, PlanCosts(self.cost_model, plan), staggered=plan.staggered_optimizer)
             self.simulations += 1
             if self.enabled:
-                self._results[key] = result
+                self._keep(key, result)
+        else:
+            self._results.move_to_end(key)
         self._by_id[id(plan)] = (plan, result)
+        while len(self._by_id) > KEEP_PLANS:
+            self._by_id.popitem(last=False)
         return result
+
+    def _keep(self, key: tuple, result: SimResult) -> None:
+        self._seen.add(_digest(key))
+        self._results[key] = result
+        self._kept_workers += len(result.busy)
+        while self._kept_workers > KEEP_WORKERS and len(self._results) > 1:
+            _, old = self._results.popitem(last=False)  # simulated again if it comes back
+            self._kept_workers -= len(old.busy)
 
     @property
     def distinct_plans(self) -> int:
-        return len(self._results) if self.enabled else self.simulations
+        return len(self._seen) if self.enabled else self.simulations
+
+
+def _digest(key: tuple):
+    """A small stand-in for a plan key, for counting: its BLAKE2b digest where the key is plain
+    data (a grid's packed key, whose bytes parts go in as they are), else the key itself."""
+    h = hashlib.blake2b(digest_size=32)
+    try:
+        for part in _parts(key):
+            if part is _OPEN or part is _CLOSE:
+                h.update(b"(" if part is _OPEN else b")")
+                continue
+            tag = b"b" if isinstance(part, bytes) else b"m"
+            data = part if tag == b"b" else marshal.dumps(part)
+            h.update(tag + len(data).to_bytes(8, "little"))
+            h.update(data)
+    except ValueError:  # not plain data (ops as named tuples): the key itself
+        return key
+    return h.digest()
+
+
+_OPEN, _CLOSE = object(), object()
+
+
+def _parts(key: tuple):
+    """A key's parts, a tuple holding bytes opened (between _OPEN and _CLOSE) so that its
+    bytes are not copied into one marshalled string."""
+    for part in key:
+        if isinstance(part, tuple) and any(isinstance(p, bytes) for p in part):
+            yield _OPEN
+            yield from _parts(part)
+            yield _CLOSE
+        else:
+            yield part

@@ -10,7 +10,9 @@ topological order of the dependency graph plus each worker's own order
 
 `costs` is anything with: op_time(op), transfer_time(src_worker, dst_worker),
 allreduce_time(stage, pipeline, workers), stash_bytes(op), weight_stash_bytes(op) and
-static_bytes(worker) (see ftbench.costs.PlanCosts; tests pass simpler ones). A costs object
+static_bytes(worker) (see ftbench.costs.PlanCosts; tests pass simpler ones), and optionally
+recompute_bytes(op) (activation recomputation: what a backward rebuilds and holds while it
+runs; 0 when absent). A costs object
 that knows the plan's layers also has `partition` and sync_time(sync, workers): then the
 all-reduce is cut into layer fragments (ftbench.layers) and each is charged by its own bytes
 and members; without them, stage s of same-length pipelines is one all-reduce.
@@ -18,25 +20,62 @@ and members; without them, stage s of same-length pipelines is one all-reduce.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 
 from ftbench.layers import Layout, fragment_layout, stage_layout
-from ftbench.schedule import (B, BW, F, OPT, W, GradientSync, Op, Schedule, dependency_graph, sync_inputs,
-                              topological_order)
+from ftbench.sim.parts import PartCopy, part_copies
+from ftbench.schedule import (B, BW, F, OPT, W, GradientSync, GridOps, Op, Schedule, dependency_graph, indexed_graph,
+                              kahn_order, read_ops, sync_inputs, topological_order)
 
 
-@dataclass
 class SimResult:
-    iteration_time: float
-    ops: list[tuple[int, Op, float, float]]  # (worker, op, start, end), in start order per worker
-    allreduces: list[tuple[GradientSync, list[int], float, float]]  # (node, member workers, start, end)
-    busy: dict[int, float]  # compute seconds per worker
-    peak_stash: dict[int, int]  # most micro-batches forwarded but not yet backpropagated (B/BW)
-    peak_activation_bytes: dict[int, float]
-    peak_memory_bytes: dict[int, float]  # static state + peak activations
-    previous_ops: list = field(default_factory=list)  # staggered: the iteration before, for timelines
-    schedule: Schedule | None = None  # what was simulated, and its fragments: for ops_completed_at
-    layout: Layout | None = None
+    """One simulated iteration. With deduplicated pipelines only the representatives' op
+    timings are kept; `ops` and `previous_ops` name every worker's, built on first read
+    (they are for Gantt charts and failure points; the per-worker dicts are always whole)."""
+
+    def __init__(self, iteration_time: float,
+                 ops: list[tuple[int, Op, float, float]],  # (worker, op, start, end), in start order per worker
+                 allreduces: list[tuple[GradientSync, list[int], float, float]],  # (node, member workers, start, end)
+                 busy: dict[int, float],  # compute seconds per worker
+                 peak_stash: dict[int, int],  # most micro-batches forwarded but not yet backpropagated (B/BW)
+                 peak_activation_bytes: dict[int, float],  # stash, plus a recomputing backward's transient
+                 peak_memory_bytes: dict[int, float],  # static state + peak activations
+                 previous_ops: list | None = None,  # staggered: the iteration before, for timelines
+                 schedule: Schedule | None = None,  # what was simulated, and its fragments: for ops_completed_at
+                 layout: Layout | None = None):
+        self.iteration_time = iteration_time
+        self.allreduces, self.busy = allreduces, busy
+        self.peak_stash, self.peak_activation_bytes, self.peak_memory_bytes = \
+            peak_stash, peak_activation_bytes, peak_memory_bytes
+        self._ops, self._previous_ops = ops, [] if previous_ops is None else previous_ops
+        self.schedule, self.layout = schedule, layout
+        self._replicas: _Replicas | None = None  # copies whose rows are not built yet
+
+    @property
+    def ops(self) -> list[tuple[int, Op, float, float]]:
+        self._build_copies()
+        return self._ops
+
+    @ops.setter
+    def ops(self, rows) -> None:
+        self._build_copies()
+        self._ops = rows
+
+    @property
+    def previous_ops(self) -> list:
+        self._build_copies()
+        return self._previous_ops
+
+    @previous_ops.setter
+    def previous_ops(self, rows) -> None:
+        self._build_copies()
+        self._previous_ops = rows
+
+    def _build_copies(self) -> None:
+        replicas, self._replicas = self._replicas, None
+        if replicas is not None:
+            self._ops = replicas.every_worker(self._ops, sorted_by_worker=True)
+            self._previous_ops = replicas.every_worker(self._previous_ops, sorted_by_worker=False)
 
     @property
     def workers(self) -> list[int]:
@@ -59,38 +98,124 @@ class SimResult:
         return rows
 
 
-def _replica_classes(schedule: Schedule, costs) -> tuple[dict[int, int], dict[int, set[int]]]:
-    """(pipeline -> a representative pipeline that times out identically, pipeline -> its workers).
+class _Replicas:
+    """Identical self-contained pipelines: each copy pipeline times out exactly as its
+    representative, worker for worker in stage order."""
+
+    def __init__(self, copies: dict[int, int], ordered: dict[int, tuple[int, ...]], parts: list[PartCopy] = ()):
+        self.copies = copies  # copy pipeline -> its representative
+        self.ordered = ordered  # self-contained pipeline -> its workers in stage order (tuples of ints: the
+        # garbage collector stops tracking them, so thousands kept cost no collection time)
+        self.parts = list(parts)  # copies of parts whose workers run other pipelines' ops (ftbench/sim/parts.py)
+        self.rep_of_worker = {wc: wr for d, r in copies.items() for wc, wr in zip(ordered[d], ordered[r])}
+        self.rep_of_worker.update((wc, wr) for part in self.parts for wr, wc in part.workers.items())
+        self.absent_flows = frozenset(f for part in self.parts for f in part.flows.values())
+
+    def rows(self, rep_rows: list) -> list:
+        """The rows of every copy worker, from its representative's (in their order)."""
+        by_worker = defaultdict(list)
+        for row in rep_rows:
+            by_worker[row[0]].append(row)
+        out = []
+        for d, r in self.copies.items():
+            for w_copy, w_rep in zip(self.ordered[d], self.ordered[r]):
+                out += [(w_copy, op._replace(pipeline=d), s, e) for _, op, s, e in by_worker[w_rep]]
+        for part in self.parts:
+            for w_rep, w_copy in part.workers.items():
+                out += [(w_copy, part.rename(op), s, e) for _, op, s, e in by_worker[w_rep]]
+        return out
+
+    def every_worker(self, rep_rows: list, sorted_by_worker: bool) -> list:
+        """`rep_rows` plus the copies'; with `sorted_by_worker`, rep_rows are sorted by
+        (worker, start) and so is the result (each worker's rows come from one source, so
+        this is the order a stable sort of all rows gives)."""
+        if not sorted_by_worker:
+            return rep_rows + self.rows(rep_rows)
+        by_worker = defaultdict(list)
+        for row in rep_rows + self.rows(rep_rows):
+            by_worker[row[0]].append(row)
+        return [row for w in sorted(by_worker) for row in by_worker[w]]
+
+
+def _replica_classes(schedule: Schedule, costs) -> _Replicas:
+    """Which pipelines time out identically, and each self-contained pipeline's workers.
 
     A pipeline is self-contained when its workers run only its own ops and nobody else runs
     them; two self-contained pipelines with the same op orders (up to the pipeline index)
-    and the same costs (`costs.pipeline_signature`) interact only through the all-reduce,
-    whose start is the same max either way, so one of them stands for both. Costs objects
-    without `pipeline_signature` get no deduplication.
+    and the same costs (`costs.pipeline_signature`, which also fixes each worker's static
+    memory) interact only through the all-reduce, whose start is the same max either way, so
+    one of them stands for both. Costs objects without `pipeline_signature` get no
+    deduplication. Workers of a lazily held grid (GridOps) are compared by template, without
+    building their ops.
     """
-    owners = defaultdict(set)  # pipeline -> workers running its ops
-    mixed = set()
-    for w, ops in schedule.ops.items():
-        pipelines = {op.pipeline for op in ops}
-        mixed |= pipelines if len(pipelines) > 1 else set()
-        for d in pipelines:
-            owners[d].add(w)
     signature_of = getattr(costs, "pipeline_signature", None)
     if signature_of is None:
-        return {}, owners
-    rep_of, first_with = {}, {}
-    for d, workers in owners.items():
+        return _Replicas({}, {})
+    ops = schedule.ops
+    if isinstance(ops, GridOps) and ops.regular() is not None:
+        fast = _grid_classes(schedule, costs, ops.regular())
+        if fast is not None:
+            return fast
+    owners = defaultdict(list)  # pipeline -> (lowest stage, worker, order form) of the workers running its ops
+    mixed = set()
+    given = ops
+    if isinstance(ops, GridOps):  # a worker's order form is its template id, unless its list was handed out
+        low_of = [min(s for _, s, _ in t) for t in ops.templates]
+        given = ops._lists
+        for w, (tid, d) in ops.of.items():
+            if w not in given:
+                owners[d].append((low_of[tid], w, tid))
+    for w in given:
+        worker_ops = ops[w]
+        if not worker_ops:
+            continue
+        pipelines = {op.pipeline for op in worker_ops}
+        if len(pipelines) > 1:
+            mixed |= pipelines
+        entry = (min(op.stage for op in worker_ops), w, tuple((op.kind, op.stage, op.microbatch) for op in worker_ops))
+        for d in pipelines:
+            owners[d].append(entry)
+    ordered, first_with, copies = {}, {}, {}
+    for d, entries in owners.items():
         if d in mixed:
             continue
-        ordered = _stage_order(schedule, workers)
-        orders = tuple(tuple((op.kind, op.stage, op.microbatch) for op in schedule.ops[w]) for w in ordered)
-        key = (orders, signature_of(d, ordered))
-        rep_of[d] = first_with.setdefault(key, d)
-    return {d: r for d, r in rep_of.items() if d != r}, owners
+        entries.sort()  # stage order (workers are distinct, so forms are never compared)
+        workers = ordered[d] = tuple([e[1] for e in entries])
+        key = (tuple([e[2] for e in entries]), signature_of(d, workers))
+        r = first_with.setdefault(key, d)
+        if r != d:
+            copies[d] = r
+    # Workers of the pipelines that share workers: identical parts of them, once each.
+    tangled = sorted({e[1] for d in mixed for e in owners[d]})
+    return _Replicas(copies, ordered, part_copies(schedule, costs, tangled))
 
 
-def _stage_order(schedule: Schedule, workers) -> list[int]:
-    return sorted(workers, key=lambda w: (min(op.stage for op in schedule.ops[w]), w))
+def _grid_classes(schedule: Schedule, costs, run: int) -> _Replicas | None:
+    """_replica_classes of a generated grid (GridOps.regular): pipeline d is the d-th run of
+    `run` workers, in stage order, its templates set by its micro-batch count, so pipelines
+    with equal counts and equal `costs.run_signatures` time out alike. None when the costs
+    cannot tell signatures in bulk (then pipeline by pipeline)."""
+    bulk = getattr(costs, "run_signatures", None)
+    workers = list(schedule.ops.of)
+    if bulk is None or len(workers) != run * len(schedule.stages) or min(schedule.stages) != max(schedule.stages):
+        return None
+    signatures = bulk(workers, run)
+    if signatures is None:
+        return None
+    ordered, first_with, copies = {}, {}, {}
+    for d, (count, signature) in enumerate(zip(schedule.microbatches, signatures)):
+        ordered[d] = tuple(workers[d * run:(d + 1) * run])
+        r = first_with.setdefault((count, signature), d)
+        if r != d:
+            copies[d] = r
+    return _Replicas(copies, ordered)
+
+
+class _Simulated:
+    """What `_summarise` reads of a schedule: the ops of the workers actually simulated."""
+
+    def __init__(self, ops: dict):
+        self.ops = ops
 
 
 # Iterations simulated back to back for a staggered optimizer: the period between the last
@@ -101,99 +226,291 @@ STAGGER_ROUNDS = 4
 def layout_of(schedule: Schedule, costs) -> Layout:
     """The plan's fragments when `costs` knows its partition, else one sync per stage."""
     partition = getattr(costs, "partition", None)
-    return stage_layout(schedule.stages) if partition is None else fragment_layout(schedule.stages, partition)
+    if partition is None:
+        return stage_layout(schedule.stages)
+    return _uniform_layout(schedule.stages, partition) or fragment_layout(schedule.stages, partition)
+
+
+def _uniform_layout(stages: tuple[int, ...], partition) -> Layout | None:
+    """fragment_layout of pipelines that all cut the layers alike (a grid), from one pipeline's
+    fragments held by every pipeline; None for any other partition."""
+    dp = len(stages)
+    if dp < 2 or len(partition) < dp or len(set(stages)) != 1:
+        return None
+    first = partition[0]
+    if not all(p is first or p == first for p in partition[:dp]):
+        return None
+    one = fragment_layout(stages[:1], partition[:1])
+    layout = Layout.__new__(Layout)  # what Layout(syncs) builds, without a list per position
+    layout.syncs = [GradientSync(sync.units, tuple((d, s) for d in range(dp) for _, s in sync.holders))
+                    for sync in one.syncs]
+    layout.of_position = _GridPositions(dp, layout.syncs, one)
+    return layout
+
+
+class _GridPositions(Mapping):
+    """Layout.of_position of pipelines that all cut the layers alike: (pipeline, stage) -> the
+    syncs its step waits for, each list built when asked (equal to Layout's dict, same order)."""
+
+    def __init__(self, dp: int, syncs: list[GradientSync], one: Layout):
+        self.dp, self.syncs = dp, syncs
+        index = {id(sync): i for i, sync in enumerate(one.syncs)}
+        self.of_stage = {s: [index[id(sync)] for sync in of] for (_, s), of in one.of_position.items()}
+
+    def __getitem__(self, position) -> list[GradientSync]:
+        d, s = position
+        if not (isinstance(d, int) and 0 <= d < self.dp) or s not in self.of_stage:
+            raise KeyError(position)
+        return [self.syncs[i] for i in self.of_stage[s]]
+
+    def __iter__(self):
+        seen = set()
+        for sync in self.syncs:
+            for position in sync.holders:
+                if position not in seen:
+                    seen.add(position)
+                    yield position
+
+    def __len__(self) -> int:
+        return self.dp * len(self.of_stage)
 
 
 def simulate(schedule: Schedule, costs, dedupe: bool = True, staggered: bool = False) -> SimResult:
     """One iteration of `schedule`. With `staggered` (ReCycle's staggered optimizer) there is
     no barrier between iterations: each worker starts the next iteration as soon as its own
     optimizer step is done, so one stage's warm-up overlaps another's cool-down. Iterations
-    then run back to back and the iteration time is the steady-state period."""
-    copies, owners = _replica_classes(schedule, costs) if dedupe else ({}, {})
-    copied_workers = {w for d in copies for w in owners[d]}
-    present = set(range(len(schedule.stages))) - set(copies)
-    layout = layout_of(schedule, costs)
-    deps = dependency_graph(schedule, present, layout)
-    for w in copied_workers:
-        for op in schedule.ops[w]:
-            del deps[op]
-    order = topological_order(schedule, deps, copied_workers)
-    sync_cost = _sync_costs(schedule, costs, deps)
-    worker_free = defaultdict(float)
-    rounds = [_one_round(schedule, costs, deps, order, worker_free, sync_cost)
-              for _ in range(STAGGER_ROUNDS if staggered else 1)]
-    ops_out, ar_out = rounds[-1]
-    previous = []
-    if staggered:
-        # Shown from the start of the previous iteration; the period is the distance between
-        # the ends of the last two.
-        prev_ops, prev_ar = rounds[-2]
-        t0 = min(s for _, _, s, _ in prev_ops)
-        end_prev = max([e for *_, e in prev_ops] + [e for *_, e in prev_ar])
-        end_last = max([e for *_, e in ops_out] + [e for *_, e in ar_out])
-        period = end_last - end_prev
-        shift = lambda rows: [(*r[:2], r[2] - t0, r[3] - t0) for r in rows]  # noqa: E731
-        previous = shift(prev_ops + _copy_replicas(schedule, copies, owners, prev_ops))
-        ops_out, ar_out = shift(ops_out), shift(ar_out)
-    ops_out += _copy_replicas(schedule, copies, owners, ops_out)
-    result = _summarise(schedule, costs, ops_out, ar_out)
-    result.schedule, result.layout = schedule, layout
-    if staggered:
-        result.iteration_time, result.previous_ops = period, previous
-    return result
+    then run back to back and the iteration time is the steady-state period.
+
+    With `dedupe`, one representative of each class of identical self-contained pipelines is
+    simulated (see _replica_classes); the copies' ops are neither built nor linked, their
+    per-worker figures are their representative's, and their op rows are built only when
+    `SimResult.ops` is read."""
+    return Simulation(schedule, costs, dedupe).result(staggered)
 
 
-def _sync_costs(schedule: Schedule, costs, deps: dict) -> dict:
-    """sync -> (member workers, all-reduce seconds). Members are the workers that produce
-    the fragment's weight gradients, over every pipeline (deduplicated ones included)."""
-    where = schedule.index()
+class Simulation:
+    """`simulate` in two steps: the schedule compiled once (replica classes, dependency graph,
+    op and transfer times), then timed. `iteration_time(sync_time)` times it again with every
+    gradient all-reduce charged `sync_time(sync, members)` seconds instead of the costs' own,
+    redoing only what waits for an all-reduce: for callers that time one plan shape under
+    several all-reduce costs (Varuna's candidate shapes, whose replica count changes)."""
+
+    def __init__(self, schedule: Schedule, costs, dedupe: bool = True):
+        self.schedule, self.costs = schedule, costs
+        self.replicas = replicas = _replica_classes(schedule, costs) if dedupe else _Replicas({}, {})
+        read = read_ops(schedule)
+        self.run = run = {w: read(w) for w in schedule.ops if w not in replicas.rep_of_worker}  # simulated workers
+        where = {op: w for w, ops in run.items() for op in ops}
+        present = set(range(len(schedule.stages))) - set(replicas.copies)
+        self.layout = layout_of(schedule, costs)
+        # Every op of a present pipeline runs on a simulated worker, so `where` answers for them.
+        deps = dependency_graph(schedule, present, self.layout, workers=run, has=where.__contains__,
+                                absent=replicas.absent_flows)
+        self.graph = _Graph(schedule, costs, deps, run, where, _sync_costs(schedule, costs, deps, where, replicas))
+        self._first_end: list[float] | None = None  # every node's end in a lone iteration
+        self._sync_starts: dict | None = None
+
+    def result(self, staggered: bool = False) -> SimResult:
+        schedule, replicas = self.schedule, self.replicas
+        worker_free = defaultdict(float)
+        rounds = [self.graph.one_round(worker_free) for _ in range(STAGGER_ROUNDS if staggered else 1)]
+        if not staggered and self._first_end is None:
+            self._first_end = self.graph.last_end  # a lone iteration: what iteration_time re-times
+        ops_out, ar_out = rounds[-1]
+        previous = []
+        if staggered:
+            # Shown from the start of the previous iteration; the period is the distance between
+            # the ends of the last two.
+            prev_ops, prev_ar = rounds[-2]
+            t0 = min(s for _, _, s, _ in prev_ops)
+            end_prev = max([e for *_, e in prev_ops] + [e for *_, e in prev_ar])
+            end_last = max([e for *_, e in ops_out] + [e for *_, e in ar_out])
+            period = end_last - end_prev
+            shift = lambda rows: [(*r[:2], r[2] - t0, r[3] - t0) for r in rows]  # noqa: E731
+            previous = shift(prev_ops)
+            ops_out, ar_out = shift(ops_out), shift(ar_out)
+        result = _summarise(_Simulated(self.run), self.costs, ops_out, ar_out)
+        if replicas.rep_of_worker:
+            # A copy's figures are its representative's (same orders, same costs, same static state).
+            rep = replicas.rep_of_worker.get
+            workers = list(schedule.ops)
+            source = [rep(w, w) for w in workers]
+            every = lambda values: dict(zip(workers, map(values.__getitem__, source)))  # noqa: E731
+            result.busy, result.peak_stash = every(result.busy), every(result.peak_stash)
+            result.peak_activation_bytes = every(result.peak_activation_bytes)
+            result.peak_memory_bytes = every(result.peak_memory_bytes)
+            result._replicas = replicas
+        result._previous_ops = previous
+        result.schedule, result.layout = schedule, self.layout
+        if staggered:
+            result.iteration_time = period
+        return result
+
+    def iteration_time(self, sync_time=None, not_before: dict | None = None) -> float:
+        """A lone iteration's time (as `result().iteration_time`), each all-reduce charged
+        `sync_time(sync, members)` seconds when given, and starting no earlier than
+        `not_before[sync.units]` where given (gradients of pipelines simulated elsewhere)."""
+        first_end = self._lone_round()
+        if sync_time is None and not not_before:
+            return max(first_end, default=0.0)
+        return self.graph.retimed(first_end, sync_time, not_before)
+
+    def sync_starts(self) -> dict:
+        """fragment units -> when its all-reduce starts in a lone iteration (its last input's end)."""
+        if self._sync_starts is None:
+            end = self._lone_round()
+            self._sync_starts = {node.units: max(end[j] for j in ins)
+                                 for _, node, w, _, ins, _ in self.graph.steps if w is None}
+        return self._sync_starts
+
+    def _lone_round(self) -> list[float]:
+        if self._first_end is None:
+            self.graph.one_round(defaultdict(float))
+            self._first_end = self.graph.last_end
+        return self._first_end
+
+
+def _sync_costs(schedule: Schedule, costs, deps: dict, where: dict, replicas: _Replicas) -> dict:
+    """id(sync) -> (member workers, all-reduce seconds). Members are the workers that produce
+    the fragment's weight gradients, over every pipeline: the simulated ones' from `deps`, a
+    copy's those of its representative's workers at the same places in stage order."""
     fragment_time = getattr(costs, "sync_time", None)
+    copies, ordered = replicas.copies, replicas.ordered
+    places: dict[tuple[int, int], list[int]] = {}  # (representative, stage) -> indices in its stage order
+
+    def at(r: int, stage: int) -> list[int]:
+        key = (r, stage)
+        if key not in places:
+            index = {w: i for i, w in enumerate(ordered[r])}
+            places[key] = sorted({index[where[o]] for o in sync_inputs(schedule, GradientSync((), ((r, stage),)),
+                                                                       has=where.__contains__)})
+        return places[key]
+
+    copies_of = defaultdict(list)  # representative -> its copies, in pipeline order
+    for d, r in sorted(copies.items()):
+        copies_of[r].append(d)
+    every_pipeline = {}  # stage -> ((0, stage), (1, stage), ...): a fragment held by that stage of every pipeline
     out = {}
     for node in deps:
         if isinstance(node, GradientSync):
-            members = sorted({where[o] for o in sync_inputs(schedule, node)})
+            members = {where[o] for o in deps[node]}
+            if replicas.parts:  # a copied part's members at its representative's places
+                members.update([part.workers[w] for part in replicas.parts for w in list(members) if w in part.workers])
+            stage = node.holders[0][1]
+            if copies and len(node.holders) == len(schedule.stages) and stage not in every_pipeline:
+                every_pipeline[stage] = tuple((d, stage) for d in range(len(schedule.stages)))
+            if copies and len(node.holders) == len(schedule.stages) and node.holders == every_pipeline[stage]:
+                for r, ds in copies_of.items():  # each copy at its representative's places
+                    for i in places.get((r, stage)) or at(r, stage):
+                        members.update([ordered[d][i] for d in ds])
+            elif copies:
+                extra = []
+                for d, stage in node.holders:
+                    r = copies.get(d)
+                    if r is not None:
+                        workers, spots = ordered[d], places.get((r, stage)) or at(r, stage)
+                        if len(spots) == 1:
+                            extra.append(workers[spots[0]])
+                        else:
+                            extra += [workers[i] for i in spots]
+                members.update(extra)
+            members = sorted(members)
             seconds = fragment_time(node, members) if fragment_time is not None \
                 else costs.allreduce_time(node.stage, node.pipeline, members)
-            out[node] = (members, seconds)
+            out[id(node)] = (members, seconds)  # by identity: a sync's hash covers all its holders
     return out
 
 
-def _one_round(schedule: Schedule, costs, deps: dict, order: list, worker_free, sync_cost) -> tuple[list, list]:
-    """Time one iteration in topological `order`; `worker_free` carries over between rounds."""
-    where = schedule.index()
-    end: dict = {}
-    ops_out, ar_out = [], []
-    # Any order that respects dependencies and worker orders gives the same times: an op
-    # starts when its worker is free and its inputs have arrived.
-    for node in order:
-        if isinstance(node, GradientSync):
-            members, seconds = sync_cost[node]
-            start = max(end[o] for o in deps[node])
-            finish = start + seconds
-            ar_out.append((node, members, start, finish))
-        else:
-            w = where[node]
-            start = worker_free[w]
-            for d in deps[node]:
-                arrival = end[d] if isinstance(d, GradientSync) else end[d] + costs.transfer_time(where[d], w)
-                start = max(start, arrival)
-            finish = start + costs.op_time(node)
-            worker_free[w] = finish
-            ops_out.append((w, node, start, finish))
-        end[node] = finish
-    return ops_out, ar_out
+class _Graph:
+    """The simulated ops and syncs in a topological order (of the dependency graph plus each
+    worker's own order), compiled once into plain lists for the inner loop: per node its
+    worker, its seconds and what it waits for (with the transfer delay of each input)."""
 
+    def __init__(self, schedule: Schedule, costs, deps: dict, run: dict, where: dict, sync_cost: dict):
+        nodes, preds, chains = indexed_graph(schedule, deps, workers=run)
+        order = kahn_order(preds, chains)
+        if len(order) < len(nodes):
+            topological_order(schedule, deps, workers=run)  # raises, naming where each worker waits
+        transfer, op_time = costs.transfer_time, costs.op_time
+        self.n, self.steps = len(nodes), []
+        for i in order:
+            node = nodes[i]
+            if isinstance(node, GradientSync):
+                members, seconds = sync_cost[id(node)]
+                self.steps.append((i, node, None, seconds, preds[i], members))
+            else:
+                w = where[node]
+                ins = [(j, None if isinstance(nodes[j], GradientSync) else transfer(where[nodes[j]], w))
+                       for j in preds[i]]
+                self.steps.append((i, node, w, op_time(node), ins, None))
+        self.preds, self.chains = preds, chains
+        self.last_end: list[float] = []
+        self._after_syncs: list | None = None
 
-def _copy_replicas(schedule: Schedule, copies: dict[int, int], owners, ops_out) -> list:
-    """Timings of each deduplicated pipeline: its representative's, renamed."""
-    by_worker = defaultdict(list)
-    for row in ops_out:
-        by_worker[row[0]].append(row)
-    rows = []
-    for d, r in copies.items():
-        for w_copy, w_rep in zip(_stage_order(schedule, owners[d]), _stage_order(schedule, owners[r])):
-            rows += [(w_copy, op._replace(pipeline=d), s, e) for _, op, s, e in by_worker[w_rep]]
-    return rows
+    def retimed(self, first_end: list[float], sync_time=None, not_before: dict | None = None) -> float:
+        """The iteration time of a lone round (whose node ends were `first_end`) with each sync
+        charged sync_time(sync, members) seconds (default: its own) and starting no earlier
+        than not_before[sync.units] (where given): only the nodes that wait, directly or
+        through their worker's order, for a sync are timed again."""
+        if self._after_syncs is None:
+            previous = {b: a for chain in self.chains for a, b in zip(chain, chain[1:])}
+            later = [False] * self.n
+            self._after_syncs = []
+            for step in self.steps:
+                i = step[0]
+                p = previous.get(i)
+                if step[2] is None or any(later[j] for j in self.preds[i]) or (p is not None and later[p]):
+                    later[i] = True
+                    self._after_syncs.append((step, p))
+            # the latest end of everything else, which no all-reduce can move
+            self._before_syncs_end = (first_end, max((e for i, e in enumerate(first_end) if not later[i]),
+                                                     default=None))
+        if self._before_syncs_end[0] is not first_end:
+            raise ValueError("retimed() must be given the same lone round every time")
+        end = first_end.copy()
+        latest = self._before_syncs_end[1]
+        for (i, node, w, seconds, ins, members), p in self._after_syncs:
+            if w is None:
+                start = max(end[j] for j in ins)
+                floor = not_before.get(node.units) if not_before else None
+                if floor is not None and floor > start:
+                    start = floor
+                finish = start + (seconds if sync_time is None else sync_time(node, members))
+            else:
+                start = 0.0 if p is None else end[p]  # the worker is free when its previous op ends
+                for j, delay in ins:
+                    arrival = end[j] if delay is None else end[j] + delay
+                    if arrival > start:
+                        start = arrival
+                finish = start + seconds
+            end[i] = finish
+            if latest is None or finish > latest:
+                latest = finish
+        return 0.0 if latest is None else latest
+
+    def one_round(self, worker_free) -> tuple[list, list]:
+        """Time one iteration; `worker_free` carries over between rounds. Any order that
+        respects dependencies and worker orders gives the same times: an op starts when its
+        worker is free and its inputs have arrived."""
+        end = [0.0] * self.n
+        ops_out, ar_out = [], []
+        for i, node, w, seconds, ins, members in self.steps:
+            if w is None:  # a gradient sync: starts when its last input is ready
+                start = max(end[j] for j in ins)
+                finish = start + seconds
+                ar_out.append((node, members, start, finish))
+            else:
+                start = worker_free[w]
+                for j, delay in ins:
+                    arrival = end[j] if delay is None else end[j] + delay
+                    if arrival > start:
+                        start = arrival
+                finish = start + seconds
+                worker_free[w] = finish
+                ops_out.append((w, node, start, finish))
+            end[i] = finish
+        self.last_end = end
+        return ops_out, ar_out
 
 
 def _summarise(schedule, costs, ops_out, ar_out) -> SimResult:
@@ -202,6 +519,9 @@ def _summarise(schedule, costs, ops_out, ar_out) -> SimResult:
     for w, _, s, e in ops_out:
         busy[w] += e - s
     peak_stash, peak_act, peak_mem = {}, {}, {}
+    # Activation recomputation: a backward first rebuilds its micro-batch's activations, held
+    # on top of the stash until it ends (absent on simple cost objects: nothing rebuilt).
+    recompute_bytes = getattr(costs, "recompute_bytes", None)
     for w, ops in schedule.ops.items():
         stash = peak = 0
         act = act_peak = 0.0
@@ -210,6 +530,8 @@ def _summarise(schedule, costs, ops_out, ar_out) -> SimResult:
                 stash += 1
                 act += costs.stash_bytes(op)
             elif op.kind in (B, BW):
+                if recompute_bytes is not None:
+                    act_peak = max(act_peak, act + recompute_bytes(op))
                 stash -= 1
                 act -= costs.stash_bytes(op) - (costs.weight_stash_bytes(op) if op.kind == B else 0.0)
             elif op.kind == W:
