@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from ftbench.config import BACKENDS, HardwareConfig
-from ftbench.costs import CostModel
+from ftbench.costs import RECOMPUTE_MODES, CostModel
 from ftbench.errors import ConfigError
 from ftbench.failures import KINDS as FAILURE_KINDS
 from ftbench.metrics import WandbSink
@@ -40,6 +40,7 @@ class RunContext:
     max_hours: float | None
     seed: int
     node_mtbf_hours: float | None = None  # failures.mtbf_hours (Poisson failures), for checkpoint-interval rules
+    recompute: str = "none"  # train.recompute: none | full (activation recomputation; costs and the local engine)
 
     @classmethod
     def from_config(cls, cfg) -> "RunContext":
@@ -65,11 +66,11 @@ class RunContext:
         microbatches, global_batch = _batch(t, cfg.cluster.dp)
         hardware = _plain(cfg.hardware)  # the cost model reads it in hot loops: no DictConfig there
         return cls(spec=spec, hardware=hardware,
-                   cost_model=CostModel(spec, hardware, t.microbatch_size, seq_len),
+                   cost_model=CostModel(spec, hardware, t.microbatch_size, seq_len, t.recompute),
                    backend=cfg.backend.name, schedule_name=cfg.schedule.name,
                    microbatches=microbatches, microbatch_size=t.microbatch_size, seq_len=seq_len,
                    global_batch=global_batch, iterations=t.iterations, max_hours=t.max_hours,
-                   seed=cfg.seed, node_mtbf_hours=cfg.failures.mtbf_hours)
+                   seed=cfg.seed, node_mtbf_hours=cfg.failures.mtbf_hours, recompute=t.recompute)
 
     def grid_plan(self, pp: int, dp: int, gpus_per_node: int = 1, schedule: str | None = None, node_of=None) -> Plan:
         """The regular grid under the configured (or given) schedule, layers balanced over stages.
@@ -206,10 +207,11 @@ def _check_train(cfg, spec: ModelSpec) -> None:
 
 def _check_choices(cfg) -> None:
     choices = {"backend": BACKENDS, "schedule": tuple(GENERATORS), "failures": FAILURE_KINDS,
-               "wandb.mode": WandbSink.MODES, "backend.dtype": DTYPES, "train.data": DATA_KINDS}
+               "wandb.mode": WandbSink.MODES, "backend.dtype": DTYPES, "train.data": DATA_KINDS,
+               "train.recompute": RECOMPUTE_MODES}
     values = {"backend": cfg.backend.name, "schedule": cfg.schedule.name,
               "failures": cfg.failures.kind, "wandb.mode": cfg.wandb.mode, "backend.dtype": cfg.backend.dtype,
-              "train.data": cfg.train.data}
+              "train.data": cfg.train.data, "train.recompute": cfg.train.recompute}
     for setting, value in values.items():
         if value not in choices[setting]:
             raise ConfigError(setting, f"unknown option '{value}'", f"choose one of {', '.join(choices[setting])}")

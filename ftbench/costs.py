@@ -6,8 +6,12 @@ Compute time is FLOPs / (peak x efficiency); `efficiency` is the one calibration
 point-to-point sends overlap compute; the gradient all-reduce is a ring. Memory is
 mixed-precision Adam (16 bytes per parameter: fp16 weights and gradients, fp32 master
 weights, first and second moments; ZeRO paper, Rajbhandari et al. 2020) plus stashed
-activations (Korthikanti et al. 2022, no recomputation). Not modelled: allocator
-fragmentation, the CUDA context, tensor parallelism.
+activations (Korthikanti et al. 2022). Activation recomputation (`train.recompute`): `none`
+stashes every activation from F to the backward; `full` stashes only each stage's input per
+micro-batch and re-runs the stage's forward right before its backward, so B (and BW) take
+one more forward and the full activations of one micro-batch live only while its backward
+runs (`StageCost.recompute_bytes`). Not modelled: allocator fragmentation, the CUDA context,
+tensor parallelism.
 """
 from __future__ import annotations
 
@@ -22,29 +26,35 @@ from ftbench.models.specs import ModelSpec
 ADAM_STATE_BYTES_PER_PARAM = 16
 ADAM_STEP_TRAFFIC_BYTES_PER_PARAM = 28  # read fp16 grad, r/w fp32 master, m, v; write fp16 weight
 GRAD_BYTES_PER_PARAM = 2  # fp16 gradients on the wire
+RECOMPUTE_MODES = ("none", "full")  # train.recompute
 
 
 @dataclass(frozen=True)
 class StageCost:
     """Costs of one stage for one micro-batch (times in seconds, sizes in bytes)."""
     forward_s: float
-    backward_input_s: float
+    backward_input_s: float  # with recompute=full, includes the recomputed forward
     backward_weight_s: float
     params: int
-    activation_bytes: float  # stashed from F until the backward
+    activation_bytes: float  # stashed from F until the backward (recompute=full: the stage's input)
     weight_stash_bytes: float  # the part W still needs after B
+    recompute_bytes: float = 0.0  # recompute=full: the activations rebuilt for one backward, held while it runs
 
 
 class CostModel:
-    def __init__(self, spec: ModelSpec, hardware, microbatch_size: int, seq_len: int):
+    def __init__(self, spec: ModelSpec, hardware, microbatch_size: int, seq_len: int,
+                 recompute: str = "none"):
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.spec, self.hw = spec, hardware
         self.b, self.s = microbatch_size, seq_len
+        self.recompute = recompute
         self.flop_rate = hardware.peak_tflops * 1e12 * hardware.efficiency
 
     def key(self) -> tuple:
         hw = self.hw
         return (self.spec, self.b, self.s, hw.peak_tflops, hw.efficiency, hw.hbm_gbps,
-                hw.intra_node_gbps, hw.inter_node_gbps, hw.link_latency_us, hw.memory_gb)
+                hw.intra_node_gbps, hw.inter_node_gbps, hw.link_latency_us, hw.memory_gb, self.recompute)
 
     # -- compute ------------------------------------------------------------------------
     @lru_cache(maxsize=None)
@@ -65,8 +75,14 @@ class CostModel:
             params += spec.head_params + spec.vocab * spec.hidden
             act += spec.head_activation_bytes(b, s)
             wstash += spec.boundary_bytes(b, s)
+        recompute = 0.0
+        if self.recompute == "full":
+            # F keeps only the stage's input; the backward first re-runs F (with autograd) to
+            # rebuild the activations, which live until that backward ends.
+            bi += f
+            act, recompute = spec.boundary_bytes(b, s), act
         return StageCost(f / self.flop_rate, bi / self.flop_rate, bw / self.flop_rate,
-                         params, act, wstash)
+                         params, act, wstash, recompute)
 
     def unit_params(self, units: Units) -> int:
         """Parameters in a range of units (ftbench.layers: 0 embeddings, 1..L blocks, L+1 head);
@@ -143,13 +159,19 @@ class PlanCosts:
 
     def __init__(self, model: CostModel, plan: Plan):
         self.model, self.plan = model, plan
+        self._stages: dict[tuple[int, int], StageCost] = {}  # (pipeline, stage) -> its costs
+        self._own: dict[int, tuple] = {}  # stage -> ((True, stage),): pipeline_signature's usual form
+        self._boundary: dict[bool, float] = {}  # same node? -> seconds of a boundary transfer
 
     def key(self) -> tuple:
         return (self.model.key(), self.plan.key())
 
     def _stage(self, pipeline: int, stage: int) -> StageCost:
-        return self.model.stage(self.plan.layers(pipeline, stage), stage == 0,
-                                self.plan.is_last_stage(pipeline, stage))
+        cost = self._stages.get((pipeline, stage))
+        if cost is None:
+            cost = self._stages[(pipeline, stage)] = self.model.stage(
+                self.plan.layers(pipeline, stage), stage == 0, self.plan.is_last_stage(pipeline, stage))
+        return cost
 
     def op_time(self, op: Op) -> float:
         c = self._stage(op.pipeline, op.stage)
@@ -169,7 +191,11 @@ class PlanCosts:
         if src_worker == dst_worker:
             return 0.0
         node = self.plan.node_of
-        return self.model.boundary_s(node[src_worker] == node[dst_worker])
+        same = node[src_worker] == node[dst_worker]
+        seconds = self._boundary.get(same)
+        if seconds is None:
+            seconds = self._boundary[same] = self.model.boundary_s(same)
+        return seconds
 
     @property
     def partition(self):
@@ -190,17 +216,52 @@ class PlanCosts:
 
     def pipeline_signature(self, pipeline: int, workers: list[int]) -> tuple:
         """What decides a self-contained pipeline's timing and memory besides its op order:
-        its layer split, which hops stay within a node, and the state each worker keeps."""
-        node = self.plan.node_of
-        hops = tuple(node[a] == node[b] for a, b in zip(workers, workers[1:]))
-        holds = tuple(tuple((d == pipeline, s) for d, s in self.plan.holds.get(w, ())) for w in workers)
-        return (self.plan.partition[pipeline], hops, holds)
+        its layer split, which hops stay within a node, and the state each worker keeps (a
+        replica of another pipeline by its layers), so that two pipelines with equal
+        signatures and orders have equal static_bytes worker for worker."""
+        plan = self.plan
+        nodes = [plan.node_of[w] for w in workers]
+        hops = tuple([a == b for a, b in zip(nodes, nodes[1:])])
+        kept = []
+        holds, own = plan.holds, self._own
+        for w in workers:
+            held = holds.get(w, ())
+            if len(held) == 1 and held[0][0] == pipeline:  # the grid's case: its own stage only
+                s = held[0][1]
+                form = own.get(s) or own.setdefault(s, ((True, s),))
+            else:
+                form = tuple((True, s) if d == pipeline else (False, s, plan.layers(d, s), plan.is_last_stage(d, s))
+                             for d, s in held)
+            kept.append(form)
+        return (plan.partition[pipeline], hops, tuple(kept))
+
+    def run_signatures(self, workers: list[int], run: int) -> list[tuple] | None:
+        """pipeline_signature(d, workers[d * run:(d + 1) * run]) for every pipeline d of a
+        generated grid, computed in bulk; None unless every worker keeps only its own stage
+        (then pipeline by pipeline)."""
+        plan = self.plan
+        dp = len(workers) // run
+        if len(plan.partition) < dp:
+            return None
+        held = list(map(plan.holds.get, workers))
+        if held != [((d, s),) for d in range(dp) for s in range(run)]:
+            return None
+        nodes = list(map(plan.node_of.__getitem__, workers))
+        same = [a == b for a, b in zip(nodes, nodes[1:])]
+        own = self._own
+        kept = tuple(own.get(s) or own.setdefault(s, ((True, s),)) for s in range(run))
+        partition = plan.partition
+        return [(partition[d], tuple(same[d * run:(d + 1) * run - 1]), kept) for d in range(dp)]
 
     def stash_bytes(self, op: Op) -> float:
         return self._stage(op.pipeline, op.stage).activation_bytes
 
     def weight_stash_bytes(self, op: Op) -> float:
         return self._stage(op.pipeline, op.stage).weight_stash_bytes
+
+    def recompute_bytes(self, op: Op) -> float:
+        """The activations a backward (B/BW) rebuilds and holds while it runs (0 without recompute)."""
+        return self._stage(op.pipeline, op.stage).recompute_bytes
 
     def static_bytes(self, worker: int) -> float:
         """Weights, gradients and Adam state of every replica the worker keeps."""

@@ -13,6 +13,14 @@ accumulation order, hence the numerics).
 Losses are summed cross-entropies divided by (global batch x predicted tokens), so gradients
 are normalised by the global batch and a micro-batch's contribution does not depend on which
 worker, pipeline or schedule computed it.
+
+Activation recomputation (`recompute="full"`, train.recompute): F runs without autograd and
+stashes only the stage's input (and, on the last stage, the targets); B/BW first re-run the
+stage's forward with autograd on that input, then backpropagate exactly as without
+recomputation, so a decoupled B still records W's matmul operands (from the rebuilt graph).
+The recomputed forward runs the same kernels on the same inputs, so training is bit-identical
+to `recompute="none"`; the model has no dropout (models/gpt.py sets every dropout to 0), so
+there is no RNG state to replay.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ftbench.costs import RECOMPUTE_MODES
 from ftbench.engine.transport import ACT, GRAD, InProcessTransport, Transport
 from ftbench.engine.worker import StageReplica, Worker
 from ftbench.layers import GradientSync, fragment_layout, model_layers
@@ -49,11 +58,16 @@ def sync_members(plan, sync: GradientSync) -> tuple[int, ...]:
 
 class WorkerExecutor:
     """One worker's side of an iteration: its ops on its own state, the rest via `transport`.
-    `tokens(pipeline, microbatch)` gives a micro-batch's input ids."""
+    `tokens(pipeline, microbatch)` gives a micro-batch's input ids; `recompute` is "none" or
+    "full" (activation recomputation, see the module docstring)."""
 
-    def __init__(self, worker: Worker, transport: Transport, plan, tokens, normaliser: float):
+    def __init__(self, worker: Worker, transport: Transport, plan, tokens, normaliser: float,
+                 recompute: str = "none"):
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.worker, self.transport, self.plan = worker, transport, plan
         self.tokens, self.normaliser = tokens, normaliser
+        self.recompute = recompute == "full"
         self._batches: dict = {}
         self._n_layers = model_layers(plan.partition)
 
@@ -111,25 +125,54 @@ class WorkerExecutor:
             x = self._batches[key]
         else:
             src = self._peer(Op(F, op.stage - 1, op.microbatch, op.pipeline))
-            x = self.transport.receive((ACT, op.pipeline, op.stage - 1, op.microbatch), src,
-                                       self.worker.id).requires_grad_()
-        saved = _SavedBytes()
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            y = replica.module(x)
-            out = lm_loss_sum(y, self._batches[key]) / self.normaliser if last else y
-        replica.stash[key] = (x, out, saved.bytes)
-        stashed = sum(entry[2] for r in self.worker.replicas.values() for entry in r.stash.values())
-        self.worker.peak_activation_bytes = max(self.worker.peak_activation_bytes, stashed)
+            x = self.transport.receive((ACT, op.pipeline, op.stage - 1, op.microbatch), src, self.worker.id)
+        if self.recompute:
+            # Keep only the input (and the targets): the backward rebuilds the rest.
+            with torch.no_grad():
+                y = replica.module(x)
+                out = lm_loss_sum(y, self._batches[key]) / self.normaliser if last else y
+            x = x.detach()
+            replica.stash[key] = (x, self._batches[key] if last else None, x.numel() * x.element_size())
+        else:
+            if op.stage > 0:
+                x.requires_grad_()
+            saved = _SavedBytes()
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                y = replica.module(x)
+                out = lm_loss_sum(y, self._batches[key]) / self.normaliser if last else y
+            replica.stash[key] = (x, out, saved.bytes)
+        self._note_activations()
         if last:
             return out.detach().to(torch.float64)
         dst = self._peer(Op(F, op.stage + 1, op.microbatch, op.pipeline))
         self.transport.send((ACT, op.pipeline, op.stage, op.microbatch), y.detach(), self.worker.id, dst)
         return None
 
+    def _note_activations(self, transient: int = 0) -> None:
+        """Track the worker's peak of stashed activations (plus a backward's rebuilt ones)."""
+        stashed = sum(entry[2] for r in self.worker.replicas.values() for entry in r.stash.values())
+        self.worker.peak_activation_bytes = max(self.worker.peak_activation_bytes, stashed + transient)
+
+    def _recompute(self, op: Op, replica: StageReplica, key) -> tuple[torch.Tensor, torch.Tensor]:
+        """Re-run the stage's forward with autograd on the stashed input: (input leaf, output or loss)."""
+        x, targets, _ = replica.stash[key]
+        if op.stage > 0:
+            x = x.detach().requires_grad_()
+        saved = _SavedBytes()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            y = replica.module(x)
+            out = lm_loss_sum(y, targets) / self.normaliser if targets is not None else y
+        self._note_activations(saved.bytes)  # the rebuilt activations live until this backward ends
+        return x, out
+
     def _backward(self, op: Op, replica: StageReplica, deferred: bool) -> None:
         key = (op.pipeline, op.microbatch)
         schedule = self.plan.schedule
-        x, out, _ = replica.stash.pop(key)
+        if self.recompute:
+            x, out = self._recompute(op, replica, key)
+            del replica.stash[key]
+        else:
+            x, out, _ = replica.stash.pop(key)
         grad = None
         if out.dim() != 0:
             src = self._peer(schedule.backward_input_op(op.stage + 1, op.microbatch, op.pipeline))
@@ -144,9 +187,10 @@ class WorkerExecutor:
 class Executor:
     """The in-process driver: runs plans on a set of workers in one topological order."""
 
-    def __init__(self, workers: dict[int, Worker], transport: Transport | None = None):
+    def __init__(self, workers: dict[int, Worker], transport: Transport | None = None, recompute: str = "none"):
         self.workers = workers
         self.transport = transport if transport is not None else InProcessTransport()
+        self.recompute = recompute  # train.recompute, for every WorkerExecutor
         self._graphs: dict[int, tuple] = {}  # id(plan) -> (plan, deps, order, members)
 
     def graph(self, plan) -> tuple[dict, list, dict]:
@@ -170,7 +214,8 @@ class Executor:
         if completed is not None:
             _check_closed(plan, deps, completed)
         where = plan.schedule.index()
-        execs = {w: WorkerExecutor(self.workers[w], self.transport, plan, tokens, normaliser) for w in plan.workers}
+        execs = {w: WorkerExecutor(self.workers[w], self.transport, plan, tokens, normaliser, self.recompute)
+                 for w in plan.workers}
         needed = None if completed is None else {s for op in completed if op.kind == OPT for s in deps[op]}
         loss = torch.zeros((), dtype=torch.float64)
         ran = 0

@@ -38,7 +38,9 @@ class StageReplica:
         self._module = make_deferrable(module, self.store)
         self._optimizer = make_optimizer(module.parameters(), lr, weight_decay)
         self.names = module.hf_names()  # local parameter name -> Hugging Face GPT-2 name
-        self.stash: dict = {}  # (pipeline, microbatch) -> (stage input, stage output or loss)
+        # (pipeline, microbatch) -> (stage input, stage output or loss, bytes); with recompute=full
+        # (stage input, targets on the last stage else None, the input's bytes): B/BW rebuild the rest
+        self.stash: dict = {}
         self.commit: dict | None = None  # in-memory commit (Elastic Horovod): {"iteration", "shard"}
         self._fragments: dict = {}  # units -> parameters inside them (fragment_parameters)
         self.alive = True
