@@ -12,10 +12,18 @@ Schedules for every normalised failure configuration up to `plan_ahead` failed n
 planned before training (MILP for small instances, list-scheduling heuristic for large ones;
 ftbench.planning) and cached on disk; a failure only switches to a stored plan.
 
-A returning node copies its stage's weights and optimizer state from a peer and the plan
-for the smaller failure set (the fault-free one when none is left) resumes. When some stage
-loses every replica, re-routing cannot help: the run is `unrecoverable`, or with
-`fallback: checkpoint` it restarts from the periodic checkpoint like checkpoint restart.
+With no failure the job runs the configured `train` schedule (1F1B unless set), exactly as
+`none` does, so fault-free throughput is the baseline's; the adaptive plans start at the
+first failure and end when the last failed node rejoins (`fault_free: planned` runs the
+level's own plan of the fault-free grid instead, for the ablation).
+
+Plans respect the GPU's memory: each worker's stash and W-deferral caps follow from the cost
+model's memory (weights, gradients and Adam state, stashed activations, recomputation), so
+a stored plan never exceeds it. A returning node copies its stage's weights and optimizer
+state from a peer and the plan for the smaller failure set resumes. When some stage loses
+every replica, or no re-routed plan fits in memory, re-routing cannot help: the run is
+`unrecoverable`, or with `fallback: checkpoint` it restarts from the periodic checkpoint like
+checkpoint restart.
 
 `level` switches the mechanisms on one by one, for the paper's breakdown: `reroute`
 (re-routing on 1F1B with a fused backward), `decoupled` (+ decoupled backprop), `staggered`
@@ -27,20 +35,23 @@ so stepping each stage as soon as its all-reduce ends is exactly the synchronous
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ftbench.actions import FILE, Rendezvous, SyncFromPeers
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan, holds_from_schedule
 from ftbench.planning.library import METHODS, PlanLibrary, forms_up_to
-from ftbench.planning.problem import normalise, problem_for
-from ftbench.schedule import NO_MICROBATCH, OPT, Op, Schedule, grid_worker
+from ftbench.planning.problem import PlanningError, normalise, problem_for
+from ftbench.schedule import NO_MICROBATCH, OPT, GridOps, Op, Schedule, grid_worker
 from ftbench.transfers import peer_copies
 from ftbench.strategies.base import Recovery
 from ftbench.strategies.checkpoint import CheckpointRestart
 
 LEVELS = ("reroute", "decoupled", "staggered")
 FALLBACKS = ("none", "checkpoint")
+FAULT_FREE = ("schedule", "planned")
 
 
 class ReCycle(CheckpointRestart):
@@ -56,6 +67,9 @@ class ReCycle(CheckpointRestart):
         if cfg.fallback not in FALLBACKS:
             raise ConfigError("strategy.fallback", f"unknown fallback '{cfg.fallback}'",
                               f"choose one of {', '.join(FALLBACKS)}")
+        if cfg.fault_free not in FAULT_FREE:
+            raise ConfigError("strategy.fault_free", f"unknown fault-free plan '{cfg.fault_free}'",
+                              f"choose one of {', '.join(FAULT_FREE)}")
         if cfg.plan_ahead < 0:
             raise ConfigError("strategy.plan_ahead", f"must not be negative, got {cfg.plan_ahead}",
                               "give the number of failed nodes to plan for ahead (0: plan at the failure)")
@@ -79,21 +93,28 @@ class ReCycle(CheckpointRestart):
                            decoupled=self.level != "reroute", placement=cluster.placement)
         self.library = PlanLibrary(base, self.planner, self.cfg.milp_time_limit_s, self.cfg.plan_cache)
         forms = forms_up_to(self.cfg.plan_ahead, cluster.pp, cluster.dp, cluster.gpus_per_node, cluster.placement)
+        if self.cfg.fault_free == "schedule":
+            forms = forms[1:]  # the fault-free grid runs the configured schedule
         self.library.precompute(forms)
         self.planned_ahead = len(forms)
-        self.current = self._plan_for(cluster)
+        try:
+            self.current = self._plan_for(cluster)
+        except PlanningError as error:
+            raise ConfigError("strategy.fault_free", f"the planned fault-free plan does not fit: {error}",
+                              "use strategy.fault_free=schedule, a GPU with more memory, or more stages") from None
         return self.current
 
     def _plan_for(self, cluster: Cluster) -> Plan:
-        """The stored plan of the current failure set's normal form, renamed onto the real pipelines."""
+        """The plan of the current failure set: the configured schedule's grid when nothing is
+        down (fault_free: schedule), else the stored plan of the set's normal form, renamed
+        onto the real pipelines. Raises PlanningError when no plan fits in memory."""
+        if not self.failed and self.cfg.fault_free == "schedule":
+            grid = self.ctx.grid_plan(cluster.pp, cluster.dp, cluster.gpus_per_node, node_of=cluster.node_of)
+            return dataclasses.replace(grid, name=f"recycle (fault-free, {grid.schedule.name})")
         pp, dp = cluster.pp, cluster.dp
         form, order = normalise(self.failed, dp, pp)
         stored = self.library.get(form)
-        real = lambda op: op._replace(pipeline=order[op.pipeline])  # noqa: E731 canonical -> real pipeline
-        ops = {}
-        for (i, s), canonical in stored.orders.items():
-            d = order[i]
-            ops[grid_worker(d, s, pp)] = [real(op) for op in canonical] + [Op(OPT, s, NO_MICROBATCH, d)]
+        ops = _grid_ops(stored, order, pp) if stored.shaped is not None else _listed_ops(stored, order, pp)
         schedule = Schedule(ops, stages=(pp,) * dp, microbatches=(self.ctx.microbatches,) * dp,
                             name=f"recycle-{self.level}")
         label = "fault-free" if not self.failed else f"{len(self.failed)} re-routed"
@@ -119,12 +140,21 @@ class ReCycle(CheckpointRestart):
             return Recovery(unrecoverable=(
                 f"node {event.node} took the last replica of stage {lost[0]}: no data-parallel peer is left to "
                 "re-route its micro-batches to (set strategy.fallback=checkpoint to restart from checkpoints then)"))
-        self.failed = failed
-        self.current = self._plan_for(cluster)
+        before, self.failed = self.failed, failed
+        try:
+            self.current = self._plan_for(cluster)
+        except PlanningError as error:  # no re-routed plan fits in memory
+            self.failed = before
+            if self.fallback == "checkpoint":
+                return self._restart(event, cluster, hit)
+            return Recovery(unrecoverable=(
+                f"node {event.node} failed and re-routing its micro-batches does not fit: {error} "
+                "(set strategy.fallback=checkpoint to restart from checkpoints then, or train.recompute=full)"))
         return Recovery(actions=[Rendezvous()], plan=self.current)
 
     def _restart(self, event: FailureEvent, cluster: Cluster, hit) -> Recovery:
-        """Checkpoint restart with a replacement for the node that took the stage's last replica;
+        """Checkpoint restart with a replacement for the failed node (it took a stage's last replica, or
+        re-routing around it does not fit in memory);
         nodes already down stay re-routed around."""
         recovery = super().on_failure(event, cluster, 0)  # replacement, restart, reload
         self.failed -= hit
@@ -147,3 +177,46 @@ class ReCycle(CheckpointRestart):
         if not self._positions(cluster, event.node) - self.failed:
             return Recovery()  # an idle node, or one already re-routed around
         return self.on_failure(event, cluster, iteration)
+
+
+def _listed_ops(stored, order: list[int], pp: int) -> dict[int, list[Op]]:
+    """A stored plan's orders on the real pipelines (canonical pipeline i is order[i]), each
+    worker stepping its own stage replica last."""
+    ops = {}
+    for (i, s), canonical in stored.orders.items():
+        d = order[i]
+        ops[grid_worker(d, s, pp)] = [op._replace(pipeline=order[op.pipeline]) for op in canonical] + \
+            [Op(OPT, s, NO_MICROBATCH, d)]
+    return dict(sorted(ops.items()))
+
+
+def _grid_ops(stored, order: list[int], pp: int) -> GridOps:
+    """The same from a plan kept per shape of part: a part that is one pipeline of its own
+    (untouched by re-routing) shares its shape's order as a template, so the thousands of
+    such pipelines on a large grid are never built op by op; the re-routed parts are listed."""
+    templates, of, lists = [], {}, {}
+    for shape, orders, parts in stored.shaped:
+        alone = len(shape.part.pipeline_of) == 1 and all(
+            shape.part.microbatch_of[key] == key[1] for key in shape.part.microbatch_of)
+        if alone:
+            ids = {}
+            for (_, s), order_ in orders.items():
+                ids[s] = len(templates)
+                templates.append(tuple((op.kind, op.stage, op.microbatch) for op in order_)
+                                 + ((OPT, s, NO_MICROBATCH),))
+            for part in parts:
+                d = order[part.pipeline_of[0]]
+                of.update((grid_worker(d, s, pp), (ids[s], d)) for s in ids)
+            continue
+        real_pos = {}  # shape position -> its worker, per part
+        for part in parts:
+            pipes = [order[i] for i in part.pipeline_of]  # local pipeline -> real pipeline
+            mbs = part.microbatch_of
+            for (i, s), local in part.local.items():
+                real_pos[local] = (grid_worker(order[i], s, pp), order[i])
+            for pos, order_ in orders.items():
+                w, d = real_pos[pos]
+                lists[w] = [Op(op.kind, op.stage, mbs[(op.pipeline, op.microbatch)], pipes[op.pipeline])
+                            for op in order_] + [Op(OPT, pos[1], NO_MICROBATCH, d)]
+                of[w] = (-1, -1)
+    return GridOps(tuple(templates), dict(sorted(of.items())), lists)

@@ -29,8 +29,8 @@ def problem(pp, dp, m, decoupled, failed=()) -> PlanningProblem:
 
 def worker_orders(p: PlanningProblem, pos) -> list[list]:
     """Every order of a worker's ops that the planners consider: each (kind, pipeline) in
-    micro-batch order, a micro-batch's F before its B before its W, the stash cap kept."""
-    cap = p.stash_cap(pos)
+    micro-batch order, a micro-batch's F before its B before its W, the stash and deferral caps kept."""
+    cap, defer = p.stash_cap(pos), p.defer_cap(pos)
 
     def must_wait(op, others):
         return any(o.pipeline == op.pipeline and (
@@ -39,17 +39,18 @@ def worker_orders(p: PlanningProblem, pos) -> list[list]:
 
     out = []
 
-    def extend(order, left, stash):
+    def extend(order, left, stash, deferred):
         if not left:
             out.append(list(order))
         for op in left:
-            if must_wait(op, left) or (op.kind == F and stash >= cap):
+            if must_wait(op, left) or (op.kind == F and stash >= cap) or (op.kind == B and deferred >= defer):
                 continue
             order.append(op)
-            extend(order, [o for o in left if o != op], stash + {F: 1, B: -1, BW: -1}.get(op.kind, 0))
+            extend(order, [o for o in left if o != op], stash + {F: 1, B: -1, BW: -1}.get(op.kind, 0),
+                   deferred + {B: 1, W: -1}.get(op.kind, 0))
             order.pop()
 
-    extend([], p.ops_of(pos), 0)
+    extend([], p.ops_of(pos), 0, 0)
     return out
 
 

@@ -44,7 +44,7 @@ def test_rerouted_training_matches_fault_free(tmp_path, script):
     assert all(r["lost_iterations"] == 0 for r in s["recoveries"])  # only the iteration in flight is redone
     if script == "failure then rejoin":
         assert s["recoveries"][-1]["actions"] == ["Rendezvous", "SyncFromPeers"]
-        assert s["recoveries"][-1]["plan"] == "recycle-staggered (fault-free)"
+        assert s["recoveries"][-1]["plan"] == "recycle (fault-free, 1f1b)"  # back on the configured schedule
 
 
 @pytest.mark.parametrize("level", ["reroute", "decoupled"])
@@ -117,7 +117,8 @@ def test_plans_are_cached_on_disk_keyed_by_what_they_depend_on(tmp_path, monkeyp
 
     def no_planning(*_a, **_k):
         raise AssertionError("planned again although the plan is on disk")
-    monkeypatch.setattr(library_module, "list_schedule", no_planning)
+    monkeypatch.setattr(library_module, "list_schedule_timed", no_planning)
+    monkeypatch.setattr(library_module, "list_schedule_shaped", no_planning)
     again = _library(True, dp=2, cache=tmp_path).get(form)
     assert again.cached and again.orders == first.orders
     with pytest.raises(AssertionError, match="planned again"):  # other micro-batch count: other key
@@ -133,7 +134,8 @@ def test_no_planning_on_the_critical_path(monkeypatch):
 
     def no_planning(*_a, **_k):
         raise AssertionError("a failure within plan_ahead ran the planner")
-    monkeypatch.setattr(library_module, "list_schedule", no_planning)
+    monkeypatch.setattr(library_module, "list_schedule_timed", no_planning)
+    monkeypatch.setattr(library_module, "list_schedule_shaped", no_planning)
     for node in (5, 10):  # two failures: within plan_ahead=2
         cluster.fail(node)
         recovery = strategy.on_event(FailureEvent(node, iteration=1), cluster, 1)
@@ -173,7 +175,7 @@ def test_staggered_optimizer_overlaps_the_iteration_boundary():
 
 def _iteration_time(level: str, *, fail_node=None, dp=4) -> float:
     cfg = compose("backend=sim", "model=gpt3-medium", *RECYCLE, f"strategy.level={level}", "strategy.plan_ahead=1",
-                  f"cluster.dp={dp}", "train.microbatches=8")
+                  "strategy.fault_free=planned", f"cluster.dp={dp}", "train.microbatches=8")
     ctx = RunContext.from_config(cfg)
     cluster = Cluster.from_config(cfg.cluster)
     strategy = build_strategy(cfg.strategy, ctx)

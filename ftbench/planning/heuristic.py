@@ -3,12 +3,16 @@
 Every surviving worker runs, whenever it is free, the most urgent op whose inputs have
 arrived: a backward (B or fused BW) first, since it releases stashed activations and
 unblocks the stage before; then a forward, if the worker's stash is under its cap; then a
-deferred weight-gradient pass W, which therefore lands in the bubbles. Among ops of one
+deferred weight-gradient pass W, which therefore lands in the bubbles (a B waits for a W
+when the deferral cap is reached). Both caps come from the GPU's memory
+(PlanningProblem.stash_cap and defer_cap), so no plan exceeds it. Among ops of one
 class the one whose inputs arrived first goes first. Ops of the same kind and owner
 pipeline keep micro-batch order on a worker (the MILP uses the same restriction).
 
-Time is advanced event by event with a heap of each worker's next possible start, so a
-plan for pp=8 x dp=16 x 32 micro-batches takes well under a second. Two priority rules are
+Time is advanced event by event with a heap of each worker's next possible start. Workers
+that exchange no micro-batch are scheduled apart, and each shape of such a part once
+(ftbench.planning.parts): on a large grid most pipelines are alike, so planning grows with
+the failures, not with dp. Two priority rules are
 tried (backward-first and forward-first for the warm-up) and the faster plan is kept.
 """
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict, deque
 
+from ftbench.planning.parts import copy_orders, split
 from ftbench.planning.problem import PlanningError, PlanningProblem, Position
 from ftbench.schedule import B, BW, F, W, Op
 
@@ -27,16 +32,62 @@ RULES = {"backward-first": {B: 0, BW: 0, F: 1, W: 2},
 
 def list_schedule(problem: PlanningProblem, rules=tuple(RULES)) -> dict[Position, list[Op]]:
     """Per surviving worker, its F/B/W ops in order: the best of the priority `rules`."""
+    return list_schedule_timed(problem, rules)[0]
+
+
+def list_schedule_timed(problem: PlanningProblem, rules=tuple(RULES)) -> tuple[dict[Position, list[Op]], float]:
+    """(the best of the priority `rules`' orders, its iteration time under the simulator's rules)."""
+    shaped, time = list_schedule_shaped(problem, rules)
+    return copy_shaped(shaped), time
+
+
+def list_schedule_shaped(problem: PlanningProblem, rules=tuple(RULES)) -> tuple[list, float]:
+    """As list_schedule_timed, with the orders per shape: [(shape, its orders, its parts)]
+    (ftbench.planning.parts; copy_shaped gives every worker's)."""
     best, best_time = None, float("inf")
     for rule in rules:
-        orders, time = schedule_once(problem, RULES[rule])
+        shaped, time = _schedule_shapes(problem, RULES[rule])
         if time < best_time - 1e-12:
-            best, best_time = orders, time
-    return best
+            best, best_time = shaped, time
+    return best, best_time
 
 
 def schedule_once(problem: PlanningProblem, priority: dict[str, int]) -> tuple[dict[Position, list[Op]], float]:
     """One list-scheduling pass: (orders, iteration time under the simulator's rules)."""
+    shaped, time = _schedule_shapes(problem, priority)
+    return copy_shaped(shaped), time
+
+
+def _schedule_shapes(problem: PlanningProblem, priority: dict[str, int]):
+    """Each shape of independent part (ftbench.planning.parts) scheduled once: ([(shape,
+    its orders, its parts)], the iteration time of the whole problem)."""
+    shortfall = problem.memory_shortfall()
+    if shortfall is not None:
+        raise PlanningError(f"no re-routed schedule fits in memory: {shortfall}")
+    shaped = []
+    last_grad: dict[int, float] = defaultdict(float)
+    free: dict[Position, float] = {}
+    for shape, parts in split(problem):
+        shape_orders, shape_grad, shape_free = _schedule_part(shape, priority)
+        for s, t in shape_grad.items():
+            last_grad[s] = max(last_grad[s], t)
+        for part in parts:
+            free.update((real, shape_free[local]) for real, local in part.local.items())
+        shaped.append((shape, shape_orders, parts))
+    return shaped, _iteration_time(problem, last_grad, free)
+
+
+def copy_shaped(shaped) -> dict[Position, list[Op]]:
+    """Every worker's order from per-shape orders."""
+    orders: dict[Position, list[Op]] = {}
+    for shape, shape_orders, parts in shaped:
+        for part in parts:
+            orders.update(copy_orders(shape, shape_orders, part))
+    return orders
+
+
+def _schedule_part(problem, priority: dict[str, int]):
+    """List-schedule one part: (orders, latest weight gradient per stage, when each worker is free)."""
     runner = {}
     chains: dict[Position, dict[tuple, deque]] = {}
     for pos in problem.workers:
@@ -55,8 +106,10 @@ def schedule_once(problem: PlanningProblem, priority: dict[str, int]) -> tuple[d
     ready_at = {op: 0.0 for op, n in waiting.items() if n == 0}
     end: dict[Op, float] = {}
     free = {pos: 0.0 for pos in problem.workers}
-    stash = {pos: 0 for pos in problem.workers}
+    stash = {pos: 0 for pos in problem.workers}  # between F and B/BW
+    deferred = {pos: 0 for pos in problem.workers}  # between B and W
     cap = {pos: problem.stash_cap(pos) for pos in problem.workers}
+    defer = {pos: problem.defer_cap(pos) for pos in problem.workers}
     orders: dict[Position, list[Op]] = {pos: [] for pos in problem.workers}
     version = {pos: 0 for pos in problem.workers}
 
@@ -67,7 +120,8 @@ def schedule_once(problem: PlanningProblem, priority: dict[str, int]) -> tuple[d
             if not chain:
                 continue
             op = chain[0]
-            if op not in ready_at or (op.kind == F and stash[pos] >= cap[pos]):
+            if op not in ready_at or (op.kind == F and stash[pos] >= cap[pos]) \
+                    or (op.kind == B and deferred[pos] >= defer[pos]):
                 continue
             start = max(free[pos], ready_at[op])
             key = (start, priority[op.kind], ready_at[op], op.microbatch, op.pipeline)
@@ -100,6 +154,9 @@ def schedule_once(problem: PlanningProblem, priority: dict[str, int]) -> tuple[d
             stash[pos] += 1
         elif op.kind in (B, BW):
             stash[pos] -= 1
+            deferred[pos] += op.kind == B
+        else:
+            deferred[pos] -= 1
         touched = {pos}
         for child in dependents[op]:
             waiting[child] -= 1
@@ -113,16 +170,16 @@ def schedule_once(problem: PlanningProblem, priority: dict[str, int]) -> tuple[d
         stuck = [pos for pos in problem.workers if any(chains[pos].values())]
         raise PlanningError(f"list scheduling stalled with {total - scheduled} ops left (workers {stuck[:4]}): "
                             "the stash caps leave no runnable op")
-    return orders, _iteration_time(problem, end, free)
-
-
-def _iteration_time(problem: PlanningProblem, end: dict[Op, float], free: dict[Position, float]) -> float:
-    """Each stage's all-reduce starts after its last weight gradient anywhere; a worker steps
-    after that and its own last op (ftbench.sim.simulator's rules, without simulating again)."""
     last_grad = defaultdict(float)
     for op, t in end.items():
         if op.kind in (W, BW):
             last_grad[op.stage] = max(last_grad[op.stage], t)
+    return orders, last_grad, free
+
+
+def _iteration_time(problem: PlanningProblem, last_grad: dict[int, float], free: dict[Position, float]) -> float:
+    """Each stage's all-reduce starts after its last weight gradient anywhere; a worker steps
+    after that and its own last op (ftbench.sim.simulator's rules, without simulating again)."""
     time = 0.0
     for pos in problem.workers:
         s = pos[1]

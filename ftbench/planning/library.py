@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ftbench.placement import node_of, workers_on
-from ftbench.planning.heuristic import list_schedule
-from ftbench.planning.problem import (PlanningError, PlanningProblem, Position, canonical_failed, evaluate,
+from ftbench.planning.heuristic import copy_shaped, list_schedule_shaped, list_schedule_timed
+from ftbench.planning.problem import (PlanningError, PlanningProblem, Position, canonical_failed,
                                       normalise)
 from ftbench.schedule import Op
 
@@ -40,14 +40,31 @@ class PlanCacheWarning(UserWarning):
     """The on-disk plan cache could not be used; planning carried on without it."""
 
 
+# Plans of more ops than this stay in memory: on large grids writing and re-checking the JSON
+# costs more than planning again (the list scheduler plans each shape of part once).
+STORE_MAX_OPS = 200_000
+
+
 @dataclass
 class StoredPlan:
-    orders: dict[Position, list[Op]]  # canonical pipelines
+    _orders: dict[Position, list[Op]] | None  # canonical pipelines (None: built from `shaped` when read)
     method: str  # heuristic | milp
     iteration_s: float  # single-iteration time as the planner timed it (barrier semantics)
     seconds: float  # planning wall time
     status: str = "heuristic"  # heuristic | optimal | feasible (MILP hit its time limit)
     cached: bool = False
+    shaped: list | None = None  # heuristic: [(shape, its orders, its parts)] (ftbench.planning.parts)
+
+    @property
+    def orders(self) -> dict[Position, list[Op]]:
+        if self._orders is None:
+            self._orders = copy_shaped(self.shaped)
+        return self._orders
+
+    def ops(self) -> int:
+        if self.shaped is None:
+            return sum(map(len, self.orders.values()))
+        return sum(sum(map(len, orders.values())) * len(parts) for _, orders, parts in self.shaped)
 
 
 class PlanLibrary:
@@ -60,6 +77,7 @@ class PlanLibrary:
         self.base, self.method, self.milp_time_limit_s = base, method, milp_time_limit_s
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else None
         self._plans: dict[tuple, StoredPlan] = {}
+        self._infeasible: dict[tuple, PlanningError] = {}
 
     def problem(self, form) -> PlanningProblem:
         return replace(self.base, failed=canonical_failed(form))
@@ -74,6 +92,8 @@ class PlanLibrary:
         """The plan of a normal form: from memory, from disk, or computed now (and stored)."""
         if form in self._plans:
             return self._plans[form]
+        if form in self._infeasible:
+            raise self._infeasible[form]
         problem = self.problem(form)
         method = self.method_for(problem)
         path = self._path(problem, method)
@@ -86,7 +106,7 @@ class PlanLibrary:
                 plan = None
         if plan is None:
             plan = self._compute(problem, method)
-            if path is not None:
+            if path is not None and plan.ops() <= STORE_MAX_OPS:
                 self._store(path, plan)
         self._plans[form] = plan
         return plan
@@ -109,18 +129,24 @@ class PlanLibrary:
 
     def _compute(self, problem: PlanningProblem, method: str) -> StoredPlan:
         started = time.perf_counter()
-        orders = list_schedule(problem)
         if method == "milp":
             from ftbench.planning.milp import solve
 
+            orders, _ = list_schedule_timed(problem)  # raises PlanningError when nothing fits
             result = solve(problem, warm_start=orders, time_limit_s=self.milp_time_limit_s)
             return StoredPlan(result.orders, "milp", result.makespan, time.perf_counter() - started, result.status)
-        return StoredPlan(orders, "heuristic", evaluate(problem, orders).iteration_time,
-                          time.perf_counter() - started)
+        # The list scheduler timed its plan by the simulator's rules: no second simulation.
+        shaped, iteration_s = list_schedule_shaped(problem)
+        return StoredPlan(None, "heuristic", iteration_s, time.perf_counter() - started, shaped=shaped)
 
     def precompute(self, forms, progress=None) -> None:
+        """Plan every form now; a form with no plan that fits is remembered, and `get` raises
+        its PlanningError when a failure reaches it."""
         for form in forms:
-            self.get(form)
+            try:
+                self.get(form)
+            except PlanningError as error:
+                self._infeasible[form] = error
             if progress is not None:
                 progress()
 

@@ -14,7 +14,9 @@ as early as they can. As a mixed-integer program:
   big-M disjunction S_b >= S_a + d_a - M_ab (1 - x_ab), S_a >= S_b + d_b - M_ba x_ab;
 - the stash cap (*memory-constrained* schedules): when F_k starts on a worker, at most cap - 1
   other micro-batches are forwarded there and not yet backpropagated:
-  sum_j y_jk <= cap - 1 with y_jk >= [F_j before F_k] + [F_k before B_j] - 1;
+  sum_j y_jk <= cap - 1 with y_jk >= [F_j before F_k] + [F_k before B_j] - 1; likewise
+  (decoupled) at most `defer` micro-batches between B and W when a B starts. Both caps come
+  from the GPU's memory (PlanningProblem.stash_cap, defer_cap);
 - the gradient sync of stage s at G_s >= the end of every W/BW of stage s, each survivor's
   optimizer step ending at E_ds = max(G_s + allreduce_s, its last op's end) + optimizer_s
   (the all-reduce is free with one survivor, as in ProblemCosts), and C >= every E_ds. A
@@ -53,8 +55,8 @@ from dataclasses import dataclass
 import pulp
 
 from ftbench.planning.heuristic import RULES, schedule_once
-from ftbench.planning.problem import PlanningProblem, Position, evaluate
-from ftbench.schedule import B, BW, F, W, Op, ScheduleError, grid_worker
+from ftbench.planning.problem import PlanningProblem, Position, evaluate, stash_peaks
+from ftbench.schedule import B, BW, F, W, Op, ScheduleError
 
 _RANK = {F: 0, B: 1, BW: 1, W: 2}  # the order of one micro-batch's ops on its worker
 
@@ -149,11 +151,15 @@ class _Model:
                 edges += [(a, b, self.dur[a]) for a, b in zip(chain, chain[1:])]
             # The stash cap orders one pipeline's backward before its forward `cap` places on:
             # otherwise cap + 1 of its micro-batches would be stashed when that forward starts.
-            cap = p.stash_cap(pos)
+            # Likewise the deferral cap orders one pipeline's W before its B `defer` places on.
+            cap, defer = p.stash_cap(pos), p.defer_cap(pos) if p.decoupled else 0
             for (kind, _), chain in chains.items():
                 if kind == F:
                     edges += [(a._replace(kind=self.back), b, self.dur[a._replace(kind=self.back)])
                               for a, b in zip(chain, chain[cap:])]
+                elif kind == B:
+                    edges += [(a._replace(kind=W), b, self.dur[a._replace(kind=W)])
+                              for a, b in zip(chain, chain[defer:])]
         return edges
 
     def _sort(self) -> None:
@@ -186,6 +192,8 @@ class _Model:
             return a.microbatch < b.microbatch
         if a.kind == self.back and b.kind == F:  # the stash cap, within one pipeline
             return self.index[b] - self.index[a] >= self.p.stash_cap(self.where[a])
+        if a.kind == W and b.kind == B:  # the deferral cap, within one pipeline
+            return self.index[b] - self.index[a] >= self.p.defer_cap(self.where[a])
         return _RANK[a.kind] < _RANK[b.kind] and a.microbatch <= b.microbatch
 
     def _tail_base(self, op: Op) -> float:
@@ -293,7 +301,9 @@ class _Model:
                 m += self.S[a] >= self.S[b] + dur[b] - (ub - self.tail[b] - self.head[a]) * first
         self.y = {}
         for pos, wops in self.by_worker.items():
-            self._stash(pos, [op for op in wops if op.kind == F])
+            self._stash(pos, [op for op in wops if op.kind == F], self.back, p.stash_cap(pos))
+            if p.decoupled:
+                self._stash(pos, [op for op in wops if op.kind == B], W, p.defer_cap(pos))
         for pos, wops in self.by_worker.items():
             # Sequencing cuts, linear in the binaries: what runs after `a` on its worker fits
             # between a's end and G_s (a worker's last op is a W or BW), what runs before it
@@ -326,25 +336,27 @@ class _Model:
             return 0
         return self.x[(a, b)] if (a, b) in self.x else 1 - self.x[(b, a)]
 
-    def _stash(self, pos: Position, forwards: list[Op]) -> None:
-        cap = self.p.stash_cap(pos)
-        if cap >= len(forwards):
+    def _stash(self, pos: Position, opens: list[Op], close: str, cap: int) -> None:
+        """At most `cap` micro-batches between an `opens` op and their `close` op on a worker:
+        when opener k starts, at most cap - 1 others have opened and not closed (F..B: the
+        stash cap; B..W: the deferral cap)."""
+        if cap >= len(opens):
             return
-        for k in forwards:
+        for k in opens:
             const, terms = 0, []
-            for j in forwards:
+            for j in opens:
                 if j == k:
                     continue
-                held = (self.order_expr(j, k), self.order_expr(k, j._replace(kind=self.back)))
+                held = (self.order_expr(j, k), self.order_expr(k, j._replace(kind=close)))
                 known = [h for h in held if isinstance(h, int)]  # (pulp expressions overload ==)
                 if 0 in known:
-                    continue  # F_j after F_k, or B_j before F_k: j is not stashed when F_k starts
+                    continue  # j opens after k, or closes before k opens: not held when k opens
                 if len(known) == 2:
                     const += 1
                 elif known:
                     terms.append(next(h for h in held if not isinstance(h, int)))
                 else:
-                    y = self.y[(j, k)] = self._var(f"y{len(self.y)}", 0, 1)
+                    y = self.y[(j, k, close)] = self._var(f"y{len(self.y)}", 0, 1)
                     self.m += y >= held[0] + held[1] - 1
                     terms.append(y)
             if const + len(terms) > cap - 1:
@@ -360,9 +372,8 @@ class _Model:
         for (a, b), x in self.x.items():
             x.setInitialValue(1 if position[a] < position[b] else 0)
         value = lambda e: e if isinstance(e, int) else e.value()  # noqa: E731
-        for (j, k), y in self.y.items():
-            y.setInitialValue(max(0, value(self.order_expr(j, k))
-                                  + value(self.order_expr(k, j._replace(kind=self.back))) - 1))
+        for (j, k, close), y in self.y.items():
+            y.setInitialValue(max(0, value(self.order_expr(j, k)) + value(self.order_expr(k, j._replace(kind=close))) - 1))
         for s, g in self.G.items():
             _initial(g, max(e for _, op, _, e in sim.ops if op.stage == s and op in self.S) / self.unit)
         _initial(self.C, sim.iteration_time / self.unit)
@@ -435,16 +446,19 @@ def _round_down(text: str) -> float:
     return float(text) - 0.5 * 10.0 ** (int(exponent or 0) - decimals)
 
 
-def _obeys(problem: PlanningProblem, orders: dict[Position, list[Op]], sim) -> bool:
+def _obeys(problem: PlanningProblem, orders: dict[Position, list[Op]], sim=None) -> bool:
     """Whether `orders` lies in the MILP's space: each (kind, pipeline) in micro-batch order on
-    every worker, and the stash caps kept."""
+    every worker, and the stash and deferral caps kept."""
     for pos, order in orders.items():
         last = {}
         for op in order:
             if last.get((op.kind, op.pipeline), -1) > op.microbatch:
                 return False
             last[(op.kind, op.pipeline)] = op.microbatch
-    return all(sim.peak_stash[grid_worker(*pos, problem.pp)] <= problem.stash_cap(pos) for pos in orders)
+        held, deferred = stash_peaks(order)
+        if held > problem.stash_cap(pos) or (problem.decoupled and deferred > problem.defer_cap(pos)):
+            return False
+    return True
 
 
 def _checked_time(problem: PlanningProblem, orders: dict[Position, list[Op]]) -> float | None:

@@ -13,6 +13,7 @@ optimizer step of a stage follows the all-reduce over the survivors of that stag
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -24,7 +25,7 @@ from ftbench.schedule import B, BW, F, NO_MICROBATCH, OPT, W, Op, Schedule, grid
 Position = tuple[int, int]  # (pipeline, stage) on the grid
 
 # Bump when the planners' output for the same problem changes: cached plans then recompute.
-PLANNER_VERSION = 1
+PLANNER_VERSION = 2
 
 
 class PlanningError(RuntimeError):
@@ -39,6 +40,13 @@ class StageTimes:
     backward_weight_s: float
     optimizer_s: float = 0.0
     allreduce_s: float = 0.0
+    # Memory of one worker of the stage (bytes; ftbench.costs): weights, gradients and Adam
+    # state; what one micro-batch keeps from F until its backward (B or BW), and from B until
+    # W; the transient working set of one backward (activation recomputation).
+    static_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    weight_stash_bytes: float = 0.0
+    recompute_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,7 @@ class PlanningProblem:
     inter_node_s: float = 0.0  # boundary send between nodes
     gpus_per_node: int = 1
     placement: str = "pipeline"  # ftbench.placement: which node holds each position
+    memory_bytes: float = math.inf  # one GPU's memory: the stash caps follow from it
 
     def __post_init__(self):
         object.__setattr__(self, "failed", frozenset(tuple(p) for p in self.failed))
@@ -68,9 +77,13 @@ class PlanningProblem:
     # -- the grid -----------------------------------------------------------------------
     def survivors(self, stage: int) -> list[int]:
         """Pipelines whose worker at `stage` is alive."""
-        return [d for d in range(self.dp) if (d, stage) not in self.failed]
+        return self._survivors[stage]
 
-    @property
+    @cached_property
+    def _survivors(self) -> list[list[int]]:
+        return [[d for d in range(self.dp) if (d, s) not in self.failed] for s in range(self.pp)]
+
+    @cached_property
     def workers(self) -> list[Position]:
         return [(d, s) for d in range(self.dp) for s in range(self.pp) if (d, s) not in self.failed]
 
@@ -83,39 +96,84 @@ class PlanningProblem:
         return self.intra_node_s if self.node(src) == self.node(dst) else self.inter_node_s
 
     @cached_property
-    def assignment(self) -> dict[tuple[int, int, int], int]:
-        """(pipeline, stage, micro-batch) -> the pipeline whose stage-s worker runs it. A failed
-        worker's micro-batches go to its stage's survivors, the least loaded first, starting
-        with the next pipeline (so two failures in one stage do not pile onto one peer)."""
-        m = self.microbatches
-        runner = {}
+    def rerouted(self) -> dict[tuple[int, int, int], int]:
+        """(pipeline, stage, micro-batch) -> the peer pipeline whose stage-s worker runs it, for
+        the micro-batches of failed positions. They go to the stage's survivors, the least
+        loaded first, starting with the next pipeline (so two failures in one stage do not pile
+        onto one peer)."""
+        m, dp = self.microbatches, self.dp
+        out = {}
         for s in range(self.pp):
-            alive = self.survivors(s)
-            load = {d: m for d in alive}
-            for d in range(self.dp):
-                if d in load:
-                    runner.update({(d, s, k): d for k in range(m)})
-                    continue
-                ring = sorted(alive, key=lambda e: (e - d) % self.dp)
+            failed = [d for d in range(dp) if (d, s) in self.failed]
+            if not failed:
+                continue
+            load = {d: m for d in self.survivors(s)}
+            for d in failed:
+                # (load, distance along the ring from d, peer): the least loaded, nearest first.
+                heap = [(n, (e - d) % dp, e) for e, n in load.items()]
+                heapq.heapify(heap)
                 for k in range(m):
-                    peer = min(ring, key=lambda e: load[e])  # min keeps the ring order among ties
-                    load[peer] += 1
-                    runner[(d, s, k)] = peer
-        return runner
+                    n, distance, peer = heapq.heappop(heap)
+                    load[peer] = n + 1
+                    out[(d, s, k)] = peer
+                    heapq.heappush(heap, (n + 1, distance, peer))
+        return out
+
+    @cached_property
+    def assignment(self) -> dict[tuple[int, int, int], int]:
+        """(pipeline, stage, micro-batch) -> the pipeline whose stage-s worker runs it (every
+        micro-batch; `rerouted` holds only the moved ones)."""
+        out = {(d, s, k): d for d, s in self.workers for k in range(self.microbatches)}
+        out.update(self.rerouted)
+        return out
 
     @cached_property
     def load(self) -> dict[Position, int]:
         """Micro-batches each surviving worker runs."""
-        out = {pos: 0 for pos in self.workers}
-        for (_, s, _), e in self.assignment.items():
+        out = {pos: self.microbatches for pos in self.workers}
+        for (_, s, _), e in self.rerouted.items():
             out[(e, s)] += 1
         return out
 
     def stash_cap(self, pos: Position) -> int:
-        """Most micro-batches a worker may hold forwarded but not yet backpropagated (B/BW):
-        1F1B's pp - s, scaled by how many pipelines' worth of micro-batches it now runs."""
-        load = self.load[pos]
-        return min(load, (self.pp - pos[1]) * math.ceil(load / self.microbatches))
+        """Most micro-batches a worker may hold forwarded but not yet backpropagated (B or BW).
+
+        Derived from memory: with `defer_cap` micro-batches waiting for their W, the worker's
+        peak is static + cap x activation + defer_cap x weight stash + one backward's
+        recompute working set, which must fit in `memory_bytes`; never more than its load."""
+        return self._caps[pos][0]
+
+    def defer_cap(self, pos: Position) -> int:
+        """Most micro-batches a worker may hold between B and W (decoupled only; 0 fused). W
+        fills bubbles, but each deferred W keeps its weight stash: deferral gets the memory
+        that 1F1B's stash (min(load, pp - s) micro-batches) leaves, and all of the load when
+        that is enough."""
+        return self._caps[pos][1]
+
+    @cached_property
+    def _caps(self) -> dict[Position, tuple[int, int]]:
+        out = {}
+        for pos in self.workers:
+            load, t = self.load[pos], self.stages[pos[1]]
+            free = self.memory_bytes - t.static_bytes - t.recompute_bytes
+            defer = 0
+            if self.decoupled:
+                target = min(load, self.pp - pos[1])
+                defer = max(1, _fits(free - target * t.activation_bytes, t.weight_stash_bytes, load))
+            out[pos] = (_fits(free - defer * t.weight_stash_bytes, t.activation_bytes, load), defer)
+        return out
+
+    def memory_shortfall(self) -> str | None:
+        """Why no schedule of this problem fits in memory (None: one does)."""
+        for pos, (cap, _) in self._caps.items():
+            if cap < 1:
+                t = self.stages[pos[1]]
+                need = t.static_bytes + t.activation_bytes + t.recompute_bytes + (
+                    t.weight_stash_bytes if self.decoupled else 0.0)
+                return (f"worker {pos} (pipeline {pos[0]}, stage {pos[1]}) cannot hold one micro-batch: it needs "
+                        f"{need / 1e9:.1f} GB of {self.memory_bytes / 1e9:.1f} GB "
+                        f"({t.static_bytes / 1e9:.1f} GB weights and optimizer state)")
+        return None
 
     # -- ops ----------------------------------------------------------------------------
     def ops_of(self, pos: Position) -> list[Op]:
@@ -184,9 +242,33 @@ def canonical_failed(form: tuple[tuple[int, ...], ...]) -> frozenset:
     return frozenset((i, s) for i, stages in enumerate(form) for s in stages)
 
 
+def _fits(free: float, per_microbatch: float, load: int) -> int:
+    """How many micro-batches of `per_microbatch` bytes fit in `free`, at most `load`."""
+    if free < 0:
+        return 0
+    if per_microbatch <= 0 or math.isinf(free):
+        return load
+    return min(load, int(free // per_microbatch))
+
+
+def stash_peaks(order) -> tuple[int, int]:
+    """(most micro-batches between F and B/BW, most between B and W) over a worker's order."""
+    held = deferred = peak_held = peak_deferred = 0
+    for op in order:
+        if op.kind == F:
+            held += 1
+        elif op.kind in (B, BW):
+            held -= 1
+            deferred += op.kind == B
+        elif op.kind == W:
+            deferred -= 1
+        peak_held, peak_deferred = max(peak_held, held), max(peak_deferred, deferred)
+    return peak_held, peak_deferred
+
+
 class ProblemCosts:
     """The simulator's cost interface over a planning problem, so planners' orders are timed
-    by the one simulator (stash bytes count micro-batches)."""
+    by the one simulator, and their memory counted in the cost model's bytes."""
 
     def __init__(self, problem: PlanningProblem):
         self.problem = problem
@@ -204,13 +286,16 @@ class ProblemCosts:
         return self.problem.stages[stage].allreduce_s if len(set(workers)) > 1 else 0.0
 
     def stash_bytes(self, op: Op) -> float:
-        return 1.0
+        return self.problem.stages[op.stage].activation_bytes
 
     def weight_stash_bytes(self, op: Op) -> float:
-        return 0.0
+        return self.problem.stages[op.stage].weight_stash_bytes
+
+    def recompute_bytes(self, op: Op) -> float:
+        return self.problem.stages[op.stage].recompute_bytes
 
     def static_bytes(self, worker: int) -> float:
-        return 0.0
+        return self.problem.stages[worker % self.problem.pp].static_bytes
 
 
 def evaluate(problem: PlanningProblem, orders: dict[Position, list[Op]]):
@@ -221,22 +306,29 @@ def evaluate(problem: PlanningProblem, orders: dict[Position, list[Op]]):
 
 
 def stage_times(cost_model, partition, dp: int) -> tuple[StageTimes, ...]:
-    """Per-stage op times of a layer partition from the cost model (all-reduce over dp replicas
-    across nodes: the conservative case)."""
+    """Per-stage op times and memory of a layer partition from the cost model (all-reduce over
+    dp replicas across nodes: the conservative case)."""
+    from ftbench.costs import ADAM_STATE_BYTES_PER_PARAM
+
     pp = len(partition)
     out = []
     for s, layers in enumerate(partition):
         c = cost_model.stage(layers, s == 0, s == pp - 1)
         out.append(StageTimes(c.forward_s, c.backward_input_s, c.backward_weight_s,
-                              cost_model.optimizer_s(c.params), cost_model.allreduce_s(c.params, dp, False)))
+                              cost_model.optimizer_s(c.params), cost_model.allreduce_s(c.params, dp, False),
+                              static_bytes=float(ADAM_STATE_BYTES_PER_PARAM * c.params),
+                              activation_bytes=c.activation_bytes, weight_stash_bytes=c.weight_stash_bytes,
+                              recompute_bytes=getattr(c, "recompute_bytes", 0.0)))
     return tuple(out)
 
 
 def problem_for(ctx, pp: int, dp: int, gpus_per_node: int, failed=frozenset(), decoupled: bool = True,
                 placement: str = "pipeline") -> PlanningProblem:
-    """The planning problem of a run's grid (ftbench.context.RunContext) under `failed`."""
+    """The planning problem of a run's grid (ftbench.context.RunContext) under `failed`, with
+    the GPU's memory from the hardware profile."""
     model = ctx.cost_model
     return PlanningProblem(pp=pp, dp=dp, microbatches=ctx.microbatches,
                            stages=stage_times(model, model.balanced_partition(pp), dp), failed=frozenset(failed),
                            decoupled=decoupled, intra_node_s=model.boundary_s(True),
-                           inter_node_s=model.boundary_s(False), gpus_per_node=gpus_per_node, placement=placement)
+                           inter_node_s=model.boundary_s(False), gpus_per_node=gpus_per_node, placement=placement,
+                           memory_bytes=model.memory_bytes)

@@ -1,0 +1,141 @@
+"""A planning problem cut into independent parts, each planned once per shape.
+
+Within one iteration, surviving workers interact only through the micro-batches they pass on
+(a micro-batch of pipeline d flows through one runner per stage) and through the gradient
+all-reduce at the end. Workers linked by flows form a *part*; parts share only the all-reduce,
+whose start is the latest weight gradient anywhere. Most parts of a large grid look alike: every
+pipeline untouched by re-routing is one, and a peer that takes one re-routed micro-batch is
+another. Relabelled (pipelines by how many of their micro-batches the part runs, then by id;
+micro-batches in order within a pipeline), parts with the same ops, transfer times and caps are
+one *shape*: the list scheduler plans each shape once and every part of it copies that order.
+
+The relabelling keeps what the scheduler looks at (ready times, priorities, and the order of
+(micro-batch, pipeline) among ties), so copying a shape's order is exactly what scheduling that
+part on its own gives.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ftbench.planning.problem import PlanningProblem, Position
+from ftbench.schedule import B, BW, F, W, Op
+from ftbench.union_find import DisjointSets
+
+
+@dataclass
+class Part:
+    workers: list[Position]  # real positions
+    local: dict[Position, Position]  # real position -> position in the shape
+    pipeline_of: list[int]  # local pipeline -> real pipeline
+    microbatch_of: dict[tuple[int, int], int]  # (local pipeline, local micro-batch) -> real micro-batch
+    key: tuple  # the shape
+
+
+class PartProblem:
+    """One shape as a planning problem with the interface the list scheduler uses: local
+    positions and ops, the parent's durations, transfer times, caps and dependency rule."""
+
+    def __init__(self, parent: PlanningProblem, part: Part, ops: dict[Position, list[Op]]):
+        self.parent, self.part = parent, part
+        self.workers = sorted(ops)
+        self._ops = ops
+        self._real = {v: k for k, v in part.local.items()}
+        self.stages, self.pp, self.decoupled = parent.stages, parent.pp, parent.decoupled
+
+    def ops_of(self, pos: Position) -> list[Op]:
+        return self._ops[pos]
+
+    def dependencies(self, op: Op) -> list[Op]:
+        return self.parent.dependencies(op)  # a rule on (kind, stage, micro-batch, pipeline) only
+
+    def duration(self, op: Op) -> float:
+        return self.parent.duration(op)
+
+    def transfer_s(self, src: Position, dst: Position) -> float:
+        return self.parent.transfer_s(self._real[src], self._real[dst])
+
+    def stash_cap(self, pos: Position) -> int:
+        return self.parent.stash_cap(self._real[pos])
+
+    def defer_cap(self, pos: Position) -> int:
+        return self.parent.defer_cap(self._real[pos])
+
+
+def split(problem: PlanningProblem) -> list[tuple[PartProblem, list[Part]]]:
+    """The problem's parts grouped by shape: (the shape as a problem, the parts of that shape).
+    Computed once per problem."""
+    cached = problem.__dict__.get("_parts")
+    if cached is None:
+        cached = problem.__dict__["_parts"] = _split(problem)
+    return cached
+
+
+def _split(problem: PlanningProblem) -> list[tuple[PartProblem, list[Part]]]:
+    pp, m, rerouted = problem.pp, problem.microbatches, problem.rerouted
+    touched = sorted({d for d, _, _ in rerouted} | set(rerouted.values()))
+    shapes: dict[tuple, tuple[PartProblem, list[Part]]] = {}
+    # A pipeline that neither lost a worker nor takes a re-routed micro-batch is a part of its
+    # own; such pipelines differ at most in which of their hops stay within a node.
+    touched_set = set(touched)
+    for d in range(problem.dp):
+        if d not in touched_set:
+            _add(shapes, problem, [(d, s) for s in range(pp)], {(d, k): [d] * pp for k in range(m)})
+    # The others: workers linked by the flows they run, found with union-find.
+    routes = {(d, k): [rerouted.get((d, s, k), d) for s in range(pp)] for d in touched for k in range(m)}
+    sets = DisjointSets()
+    for route in routes.values():
+        sets.find((route[0], 0))  # a one-stage route is a set of its own
+        for s in range(pp - 1):
+            sets.union((route[s], s), (route[s + 1], s + 1))
+    members, part_routes = defaultdict(list), defaultdict(dict)
+    for pos, root in sets.items():
+        members[root].append(pos)
+    for flow, route in routes.items():
+        part_routes[sets.find((route[0], 0))][flow] = route
+    for root, workers in members.items():
+        _add(shapes, problem, workers, part_routes[root])
+    return list(shapes.values())
+
+
+def _add(shapes: dict, problem: PlanningProblem, workers: list[Position], routes: dict) -> None:
+    """Relabel one part (its workers and its flows' routes: the runner pipeline per stage) and
+    file it under its shape."""
+    count = defaultdict(int)
+    for d, _ in routes:
+        count[d] += 1
+    pipelines = sorted(count, key=lambda d: (-count[d], d))
+    local_pipe = {d: i for i, d in enumerate(pipelines)}
+    local = {(e, s): (local_pipe.get(e, len(pipelines) + e), s) for e, s in workers}
+    microbatch_of, signature = {}, []
+    for d in pipelines:
+        p = local_pipe[d]
+        for j, k in enumerate(sorted(k for e, k in routes if e == d)):
+            microbatch_of[(p, j)] = k
+            route = routes[(d, k)]
+            # A flow's route: where it runs at each stage, and the sends between them.
+            signature.append((tuple(local[(e, s)] for s, e in enumerate(route)),
+                              tuple(problem.transfer_s((e, s), (route[s + 1], s + 1))
+                                    for s, e in enumerate(route[:-1]))))
+    caps = tuple(sorted((local[pos], problem.stash_cap(pos), problem.defer_cap(pos)) for pos in workers))
+    key = (len(pipelines), tuple(signature), caps)  # flows in (local pipeline, micro-batch) order
+    part = Part(sorted(workers), local, pipelines, microbatch_of, key)
+    if key not in shapes:
+        kinds = (F, B, W) if problem.decoupled else (F, BW)
+        ops = {local[pos]: [] for pos in workers}
+        for (p, j), (route, _) in zip(sorted(microbatch_of), signature):
+            for pos in route:
+                ops[pos] += [Op(kind, pos[1], j, p) for kind in kinds]
+        for order in ops.values():
+            order.sort(key=lambda o: (o.pipeline, o.microbatch))
+        shapes[key] = (PartProblem(problem, part, ops), [])
+    shapes[key][1].append(part)
+
+
+def copy_orders(shape: PartProblem, orders: dict[Position, list[Op]], part: Part) -> dict[Position, list[Op]]:
+    """A shape's orders renamed onto one of its parts (real positions, pipelines, micro-batches)."""
+    real_pos = {v: k for k, v in part.local.items()}
+    pipes, mbs = part.pipeline_of, part.microbatch_of
+    return {real_pos[pos]: [Op(op.kind, op.stage, mbs[(op.pipeline, op.microbatch)], pipes[op.pipeline])
+                            for op in order]
+            for pos, order in orders.items()}
