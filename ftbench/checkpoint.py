@@ -176,6 +176,13 @@ class CheckpointStore:
             if folder.is_dir():
                 self._remove(folder)
 
+    def discard_after_persist(self, iterations) -> None:
+        """Wait for the running persist, then remove these checkpoints (the run loop's ledger
+        says which are lost or superseded)."""
+        self.wait()
+        for iteration in iterations:
+            self.discard(iteration)
+
     def wait(self) -> CheckpointInfo | None:
         """Join the running (or finished, unclaimed) persist; re-raise its exception."""
         pending = self._pending

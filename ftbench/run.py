@@ -37,7 +37,7 @@ from ftbench.strategies.none import NoFaultTolerance
 if TYPE_CHECKING:
     from ftbench.engine.local import LocalEngine
 
-AVAILABLE_BACKENDS = ("sim", "local")
+AVAILABLE_BACKENDS = ("sim", "local", "dist")
 
 
 class Terminated(KeyboardInterrupt):
@@ -151,6 +151,9 @@ def _run(cfg, run_dir: Path, log) -> dict:
               "failure_script": script.description, "model_parameters": ctx.spec.parameters}
     if ctx.backend == "local":
         return {**common, **_run_local(cfg, ctx, strategy, cluster, script, run_dir, log, clock)}
+    if ctx.backend == "dist":  # one process per worker (ftbench/dist/launch.py)
+        from ftbench.dist.launch import run_dist
+        return {**common, **run_dist(cfg, ctx, strategy, cluster, script, run_dir, log, clock)}
     return {**common, **_run_sim(cfg, ctx, strategy, cluster, script, run_dir, log)}
 
 

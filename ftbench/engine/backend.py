@@ -80,11 +80,8 @@ class LocalBackend:
         return SaveCost(cost.stall_s, cost.persist_s)
 
     def drop_checkpoints(self, iterations) -> None:
-        store = self.engine.store
-        if store is not None:
-            store.wait()
-            for iteration in iterations:
-                store.discard(iteration)
+        if self.engine.store is not None:
+            self.engine.store.discard_after_persist(iterations)
 
     def lose_unfinished_persist(self) -> None:
         self.engine.lose_unfinished_persist()

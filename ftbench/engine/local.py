@@ -63,7 +63,7 @@ class LocalEngine:
         self.ctx, self.data, self.store = ctx, data, store
         self.lr, self.weight_decay, self.dtype = lr, weight_decay, DTYPES[dtype]
         self.workers: dict[int, Worker] = {}
-        self.executor = Executor(self.workers)
+        self.executor = Executor(self.workers, recompute=getattr(ctx, "recompute", "none"))  # train.recompute
         self.plan = None
         self.peak_memory: dict[int, int] = {}
 
@@ -149,32 +149,9 @@ class LocalEngine:
 
     # -- checkpoints --------------------------------------------------------------------
     def _writers(self, plan=None) -> list[Writer]:
-        """One holder per layer fragment writes that fragment, so every parameter is written
-        exactly once whatever the partitions. On a regular grid the fragments are the stages
-        and the writers are checkpoint_writers' (the same choice the sim charges); otherwise
-        fragment i is written by the i-th (mod holders) worker holding it, spreading writes."""
-        plan = plan or self.plan
-        stages = plan.schedule.stages
-        n = model_layers(plan.partition)
-        regular = len(set(plan.partition)) == 1
-        by_stage = checkpoint_writers(plan) if regular else {}
-        held = []  # (worker, layers, units) of every replica in the plan
-        for w in sorted(plan.holds):
-            for d, s in plan.holds[w]:
-                layers = plan.layers(d, s)
-                held.append((w, layers, stage_units(layers, s == 0, s == stages[d] - 1, n)))
-        writers = []
-        for i, sync in enumerate(fragment_layout(stages, plan.partition).syncs):
-            lo, hi = sync.units
-            if regular:
-                stage = sync.stage
-                w = by_stage[stage]
-                writers.append(Writer(f"stage{stage}", w, self.workers[w].replica(plan.layers(0, stage)), sync.units))
-                continue
-            holders = sorted({(w, layers) for w, layers, (a, b) in held if a <= lo and hi <= b})
-            w, layers = holders[i % len(holders)]
-            writers.append(Writer(f"units{lo}-{hi}", w, self.workers[w].replica(layers), sync.units))
-        return writers
+        """The checkpoint writers of `fragment_writers`, with the replicas they write from."""
+        return [Writer(name, w, self.workers[w].replica(layers), units)
+                for name, w, layers, units in fragment_writers(plan or self.plan)]
 
     def _shard(self, writer: Writer, plan=None) -> dict:
         return writer.replica.shard(writer.units, model_layers((plan or self.plan).partition))
@@ -276,3 +253,30 @@ class LocalEngine:
                     if not torch.equal(p, state[name]):
                         raise RuntimeError(f"replicas of {name} diverged (worker {w}, layers {layers})")
         return state
+
+
+def fragment_writers(plan) -> list[tuple[str, int, tuple[int, int], tuple[int, int]]]:
+    """(shard name, worker, layers of the replica, units) per layer fragment: one holder writes
+    each fragment, so every parameter is written exactly once whatever the partitions. On a
+    regular grid the fragments are the stages and the writers are checkpoint_writers' (the
+    same choice the sim charges); otherwise fragment i is written by the i-th (mod holders)
+    worker holding it, spreading writes. Every backend that writes checkpoints uses this."""
+    stages = plan.schedule.stages
+    n = model_layers(plan.partition)
+    regular = len(set(plan.partition)) == 1
+    by_stage = checkpoint_writers(plan) if regular else {}
+    held = []  # (worker, layers, units) of every replica in the plan
+    for w in sorted(plan.holds):
+        for d, s in plan.holds[w]:
+            layers = plan.layers(d, s)
+            held.append((w, layers, stage_units(layers, s == 0, s == stages[d] - 1, n)))
+    writers = []
+    for i, sync in enumerate(fragment_layout(stages, plan.partition).syncs):
+        lo, hi = sync.units
+        if regular:
+            writers.append((f"stage{sync.stage}", by_stage[sync.stage], plan.layers(0, sync.stage), sync.units))
+            continue
+        holders = sorted({(w, layers) for w, layers, (a, b) in held if a <= lo and hi <= b})
+        w, layers = holders[i % len(holders)]
+        writers.append((f"units{lo}-{hi}", w, layers, sync.units))
+    return writers

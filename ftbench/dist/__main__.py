@@ -1,0 +1,62 @@
+"""`python -m ftbench.dist [overrides]`: one rank of a dist job started by torchrun.
+
+    torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        -m ftbench.dist cluster.pp=4 cluster.dp=2 --run-dir runs/dist-job
+
+Every rank composes the same config from the same overrides (backend=dist is implied).
+Rank 0 runs the job as `ftbench` does (metrics.jsonl, summary.json, the printed summary in
+the run folder, `--run-dir` or runs/dist/<date>/<time>); the other ranks train and exit.
+Exit codes as ftbench's.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    run_dir = None
+    if "--run-dir" in args:
+        i = args.index("--run-dir")
+        run_dir = args[i + 1]
+        del args[i:i + 2]
+    if not any(a.startswith("backend=") for a in args):
+        args.append("backend=dist")
+    from ftbench.cli import EXIT_CODES, compose
+    from ftbench.dist.launch import IN_JOB_ENV, check_config, job_of
+    from ftbench.dist.worker import env_ranks, report_errors, train
+    from ftbench.errors import UserError
+
+    cfg = compose(args)
+    if cfg.backend.name != "dist":
+        print("python -m ftbench.dist runs backend=dist only", file=sys.stderr)
+        return 2
+    rank = env_ranks()[0]
+    os.environ[IN_JOB_ENV] = "1"
+    run_dir = Path(run_dir or Path("runs") / "dist" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S"))
+    if rank == 0:
+        from ftbench.run import execute
+
+        summary = execute(cfg, run_dir)
+        return EXIT_CODES.get(summary["status"], 1)
+    try:  # the settings rank 0 refuses, the other ranks refuse too, instead of waiting for it
+        from ftbench.context import RunContext
+        from ftbench.run import _clock
+        from ftbench.strategies import build_strategy
+
+        ctx = RunContext.from_config(cfg)
+        check_config(cfg, build_strategy(cfg.strategy, ctx), _clock(cfg))
+    except UserError as err:
+        print(f"rank {rank}: {err}", file=sys.stderr)
+        return 2
+    job = dict(job_of(cfg, run_dir), metrics=None)
+    with report_errors(job["error_dir"]):
+        train(job)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

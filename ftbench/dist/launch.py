@@ -1,0 +1,254 @@
+"""Starting a dist job: `ftbench backend=dist ...` launches one process per worker of the plan
+through PyTorch's elastic launcher (torch.distributed.launcher.api.elastic_launch: c10d
+rendezvous on 127.0.0.1, a free port, no restarts), and turns what comes back into the run's
+results; `python -m ftbench.dist ...` under torchrun runs the same job across nodes.
+
+- Rank 0's metrics lines go to `<run>/dist/rank0-metrics.jsonl`; this process tails that file
+  into the run's metrics.jsonl (and W&B) while the job runs.
+- Each rank's stdout and stderr land under `<run>/dist/logs/`.
+- A rank that fails writes `<run>/dist/error-rank<R>.json`; the earliest one is the root
+  cause the run reports (a peer that did not answer names the peer and the op).
+- The job has an overall deadline (`backend.deadline_s`; default: `backend.timeout_s` x
+  (iterations + 10)); past it the launcher stops every process.
+
+Importing this module does not import torch (config errors stay fast).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from ftbench.errors import ConfigError
+
+IN_JOB_ENV = "FTBENCH_DIST_IN_JOB"  # set by `python -m ftbench.dist`: this process is a rank of a torchrun job
+HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the elastic launcher installs handlers for these
+
+
+def timeout_s(cfg) -> float:
+    return float(cfg.backend.get("timeout_s") or 60.0)
+
+
+def deadline_s(cfg) -> float:
+    deadline = cfg.backend.get("deadline_s")
+    if deadline is not None:
+        return float(deadline)
+    return timeout_s(cfg) * (cfg.train.iterations + 10)
+
+
+def check_config(cfg, strategy, clock: str) -> None:
+    """What this slice of backend=dist runs: fault-free training, with decisions every rank
+    takes alike (ftbench.dist.worker)."""
+    if cfg.failures.kind != "none":
+        raise ConfigError("failures", "failures on backend=dist are not implemented yet", "use failures=none")
+    t = cfg.backend.get("timeout_s")
+    if t is None or not t > 0:
+        raise ConfigError("backend.timeout_s", f"must be a positive number of seconds, got {t}",
+                          "set backend.timeout_s=60 (or another deadline per wait)")
+    d = cfg.backend.get("deadline_s")
+    if d is not None and not d > 0:
+        raise ConfigError("backend.deadline_s", f"must be a positive number of seconds or null, got {d}",
+                          "set backend.deadline_s=3600, or null for timeout_s x (iterations + 10)")
+    if clock == "wall":
+        why = ("every rank runs the run loop and must take the same decisions, but each would take this one from "
+               "its own wall clock (an agreement step arrives with failures on dist)")
+        if cfg.train.max_hours is not None:
+            raise ConfigError("train.max_hours", f"a wall-clock time limit on backend=dist is not implemented yet: "
+                              f"{why}", "drop train.max_hours, or use backend.clock=model")
+        if getattr(strategy, "checkpoint_mode", None) is not None and cfg.strategy.get("every", 1) is None:
+            raise ConfigError("strategy.every", f"a measured checkpoint interval on backend=dist is not implemented "
+                              f"yet: {why}", "set strategy.every to a number of iterations, or use backend.clock=model")
+
+
+def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str) -> dict:
+    """The dist backend's part of ftbench.run._run: the job's results for the summary."""
+    check_config(cfg, strategy, clock)
+    job = job_of(cfg, run_dir)
+    if os.environ.get(IN_JOB_ENV):  # rank 0 of a torchrun job (python -m ftbench.dist): train here
+        from ftbench.dist.worker import train
+
+        result = train(job, log=log)
+    else:
+        processes = len(strategy.plan(cluster.view()).workers)
+        result = launch_training(job, processes, log, timeout_s(cfg), deadline_s(cfg))
+    if result.get("status") == "ok" and cfg.report.check_fault_free and strategy.name != "none":
+        _check_fault_free(cfg, ctx, result, log)
+    log({"event": "end", "status": result.get("status"), "iterations": result.get("iterations"),
+         "time_s": result.get("time_s")})
+    return result
+
+
+def job_of(cfg, run_dir) -> dict:
+    """What every rank gets: the resolved config, the run folder, where rank 0's metrics lines
+    and the ranks' errors go."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    folder = Path(run_dir) / "dist"
+    resolved = copy.deepcopy(cfg)  # a DictConfig pickles with its schema types
+    OmegaConf.resolve(resolved)
+    return {"cfg": resolved, "run_dir": str(run_dir),
+            "metrics": str(folder / "rank0-metrics.jsonl"), "error_dir": str(folder)}
+
+
+def _check_fault_free(cfg, ctx, result: dict, log) -> None:
+    """Compare with fault-free training of the same setup on the local backend."""
+    from transformers.utils import logging as hf_logging
+
+    from ftbench.equivalence import compare, load_state
+    from ftbench.run import fault_free_reference
+
+    ref_losses, ref_state = fault_free_reference(cfg, ctx)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # loading the saved model is no progress to show
+    try:
+        state = load_state(result["final_state"])
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+    difference = compare(result["losses"], state, ref_losses, ref_state)
+    result["matches_fault_free"] = difference is None
+    result["fault_free_difference"] = difference
+    log({"event": "equivalence", "matches_fault_free": difference is None, "difference": difference})
+    if difference is not None:
+        result.update(status="diverged", error=f"training differs from fault-free training: {difference}")
+
+
+def launch_training(job: dict, processes: int, log, timeout: float, deadline: float) -> dict:
+    from ftbench.dist import worker
+
+    start_method = worker.start_method()
+    if start_method == "fork":
+        worker.preload()  # imported once here, inherited by every process instead of imported by each
+    folder = Path(job["error_dir"])
+    folder.mkdir(parents=True, exist_ok=True)
+    tail = _Tail(Path(job["metrics"]), log)
+    tail.start()
+    try:
+        results = launch(worker.entry, (job,), processes, timeout, deadline, folder, start_method)
+    finally:
+        tail.stop()
+    return results[0]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(entrypoint, args: tuple, processes: int, timeout: float, deadline: float, folder: Path,
+           start_method: str = "spawn") -> dict:
+    """Run `entrypoint(*args)` in `processes` processes on this machine under PyTorch's elastic
+    launcher; {rank: return value}. A failure raises DistError with the earliest rank error
+    found in `folder` (ftbench.dist.worker.report_errors); past `deadline` seconds every
+    process is stopped and DistError says so."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from ftbench.dist.transport import DistError
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("error-rank*.json"):
+        stale.unlink()
+    run_id = f"ftbench-{uuid.uuid4().hex[:8]}"
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=run_id,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", local_addr="127.0.0.1",
+        rdzv_configs={"join_timeout": int(max(timeout, 1)), "last_call_timeout": 1},
+        max_restarts=0, monitor_interval=0.05, start_method=start_method,
+        logs_specs=DefaultLogsSpecs(log_dir=str(folder / "logs"), redirects=Std.ALL),
+        shutdown_timeout=5)
+    main = threading.current_thread() is threading.main_thread()
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in HANDLED_SIGNALS} if main else {}
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        import _thread
+
+        _thread.interrupt_main()  # the launcher's handler stops every process, then raises here
+
+    timer = threading.Timer(deadline, expire) if main else None
+    started = time.monotonic()
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        return elastic_launch(config, entrypoint)(*args)
+    except BaseException as err:
+        if timer is not None:
+            timer.cancel()
+        if expired.is_set():
+            raise DistError(f"the dist job ran past its deadline of {deadline:g} s (backend.deadline_s) and was "
+                            f"stopped; rank logs in {folder / 'logs'}") from None
+        root = first_error(folder)
+        if root is not None:
+            raise DistError(f"rank {root['rank']} failed: {root['error']} (rank logs in {folder / 'logs'})") from None
+        if isinstance(err, Exception):
+            raise DistError(f"the dist job failed after {time.monotonic() - started:.1f} s: "
+                            f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__} "
+                            f"(rank logs in {folder / 'logs'})") from None
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+        for name, handler in saved.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+def first_error(folder: Path) -> dict | None:
+    """The earliest error a rank reported in `folder`: the root cause (the others follow from it)."""
+    records = []
+    for path in Path(folder).glob("error-rank*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return min(records, key=lambda r: r["time"]) if records else None
+
+
+class _Tail:
+    """Forwards the complete lines appended to `path` to `log`, while a job runs."""
+
+    def __init__(self, path: Path, log):
+        self.path, self.log = path, log
+        self.offset = 0
+        self.buffer = b""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftbench-dist-metrics", daemon=True)
+
+    def start(self) -> None:
+        if self.path.exists():
+            self.offset = self.path.stat().st_size  # lines of an earlier attempt were forwarded then
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self.drain()
+
+    def drain(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        self.offset += len(chunk)
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            if line.strip():
+                self.log(json.loads(line))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.drain()  # what came after the last poll

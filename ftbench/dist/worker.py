@@ -1,0 +1,209 @@
+"""One process of a dist job: this rank's worker, driven by the shared run loop.
+
+**Who drives.** Every rank runs the same run loop (ftbench.loop.RunLoop) over the same
+config, failure script and strategy, so every rank takes the same decisions at the same
+points and the backend's collectives line up; rank 0 writes the metrics lines and returns
+the results. Nothing is broadcast per iteration: the loop's inputs are identical everywhere
+(seeded data and failures, deterministic planning) and the backend hands every rank the
+same loss and the same measured checkpoint costs. Decisions taken from each process's own
+wall clock (a measured checkpoint interval, `train.max_hours`) are refused on the wall clock
+in this slice (ftbench.dist.launch.check_config): they need an agreement step. Every
+iteration's closing all-reduce also compares the ranks' iteration and plan, so ranks whose
+loops disagree stop with an error instead of exchanging the wrong tensors.
+
+`train(job)` is the elastic launcher's entry point (ftbench.dist.launch) and the body of
+`python -m ftbench.dist` under torchrun.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+ERROR_PREFIX = "error-rank"
+
+
+def env_ranks() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) from the launcher's environment."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    return rank, world, local, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
+def setup_threads(setting, spec) -> int:
+    """This process's torch intra-op threads, before any torch work: backend.threads, or
+    ftbench.threads' choice over this process's share of the usable CPUs."""
+    from ftbench import threads
+
+    _, _, _, local_world = env_ranks()
+    usable = max(1, threads.usable_cpus() // max(1, local_world))
+    return threads.apply(threads.choose(setting, spec, usable=usable))
+
+
+def init_process_group(timeout_s: float):
+    """Join the job's default process group: NCCL on a GPU (one per local rank), gloo on CPU.
+    Returns (rank, world size, device, process group backend)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world, local, _ = env_ranks()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world, device, backend
+
+
+@contextmanager
+def report_errors(error_dir: str | Path | None):
+    """Write an exception leaving the block to `<error_dir>/error-rank<R>.json` (time, type,
+    message), so the launcher can name the root cause: the earliest error of the job."""
+    try:
+        yield
+    except BaseException as err:
+        if error_dir is not None:
+            rank = env_ranks()[0]
+            record = {"rank": rank, "time": time.time(), "type": type(err).__name__, "error": str(err),
+                      "user_error": _is_user_error(err), "traceback": traceback.format_exc()}
+            path = Path(error_dir) / f"{ERROR_PREFIX}{rank}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record))
+        raise
+
+
+def _is_user_error(err: BaseException) -> bool:
+    from ftbench.errors import UserError
+
+    return isinstance(err, UserError)
+
+
+class LineWriter:
+    """Rank 0's metrics lines, appended and flushed one by one to a file the launcher tails."""
+
+    def __init__(self, path: str | Path):
+        self._file = open(path, "a", encoding="utf-8")
+
+    def __call__(self, record: dict) -> None:
+        from ftbench.metrics import _dumps
+
+        self._file.write(_dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def start_method() -> str:
+    """How the launcher starts processes: fork on CPU (each inherits this process's imports:
+    seconds saved per process), spawn when CUDA is there (a forked CUDA context is unusable)."""
+    import torch
+
+    return "spawn" if torch.cuda.is_available() else "fork"
+
+
+def preload() -> None:
+    """Import what every rank needs (torch, transformers, the engine) before forking."""
+    import ftbench.dist.engine  # noqa: F401
+    import ftbench.run  # noqa: F401
+    import ftbench.strategies  # noqa: F401
+
+
+def entry(job: dict) -> dict | None:
+    """The elastic launcher's entry point (a module-level function: spawn pickles it by name)."""
+    with report_errors(job.get("error_dir")):
+        return train(job)
+
+
+def train(job: dict, log=None) -> dict | None:
+    """Run this rank's part of the job. `job`: {"cfg": the resolved config (a DictConfig), "run_dir",
+    "metrics": the file rank 0 appends its metrics lines to (when `log` is None)}. Rank 0
+    returns the results for the summary; other ranks None."""
+    from ftbench.context import RunContext
+
+    cfg = job["cfg"]
+    ctx = RunContext.from_config(cfg)
+    threads = setup_threads(cfg.backend.get("threads"), ctx.spec)  # before any torch work
+    import torch.distributed as dist
+
+    rank, world, device, pg_backend = init_process_group(float(cfg.backend.timeout_s))
+    writer = None
+    if log is None:
+        if rank == 0 and job.get("metrics"):
+            log = writer = LineWriter(job["metrics"])
+        else:
+            log = _ignore
+    elif rank != 0:
+        log = _ignore
+    try:
+        result = _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads)
+    except BaseException:
+        # A failed rank leaves at once: its peers' waits end at their deadlines (or the
+        # launcher stops them); tearing the groups down here could block on a dead peer.
+        if writer is not None:
+            writer.close()
+        raise
+    if writer is not None:
+        writer.close()
+    dist.destroy_process_group()
+    return result
+
+
+def _ignore(record: dict) -> None:
+    return None
+
+
+def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads) -> dict | None:
+    import torch
+
+    from ftbench.actions import FILE, SNAPSHOT
+    from ftbench.checkpoint import CheckpointStore
+    from ftbench.cluster import Cluster
+    from ftbench.dist.engine import DistBackend, DistEngine
+    from ftbench.dist.transport import DistTransport
+    from ftbench.engine.local import DTYPES
+    from ftbench.failures import build_failure_script
+    from ftbench.loop import run_loop
+    from ftbench.models.data import make_source
+    from ftbench.models.gpt import save_pretrained
+    from ftbench.run import _clock, _draw_gantt, _totals
+    from ftbench.sim.cache import SimCache
+    from ftbench.strategies import build_strategy
+
+    run_dir = Path(job["run_dir"])
+    clock = _clock(cfg)
+    cluster = Cluster.from_config(cfg.cluster)
+    seed = cfg.failures.seed if cfg.failures.seed is not None else cfg.seed
+    script = build_failure_script(cfg.failures, cluster.nodes, seed, iterations=ctx.iterations,
+                                  max_hours=ctx.max_hours)
+    strategy = build_strategy(cfg.strategy, ctx)
+    data = make_source(cfg.train.data, ctx.spec, ctx.seq_len, ctx.seed, cfg.train.data_path)
+    dtype = DTYPES[cfg.backend.dtype]
+    transport = DistTransport(rank, world, float(cfg.backend.timeout_s), device, dtype,
+                              (ctx.microbatch_size, ctx.seq_len, ctx.spec.hidden), ordered=pg_backend == "nccl")
+    store = None
+    if rank == 0 and getattr(strategy, "checkpoint_mode", None) in (FILE, SNAPSHOT):
+        store = CheckpointStore(run_dir / "checkpoints", keep=cfg.strategy.get("keep", 2))
+    engine = DistEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, dtype, transport, device, store,
+                        recompute=cfg.train.get("recompute") or "none")
+    timelines = SimCache(ctx.cost_model)
+    outcome = run_loop(ctx, strategy, cluster, script, DistBackend(engine), timelines, log, None, clock=clock)
+    state = engine.gather_final_state() if outcome.status == "ok" else None
+    if rank != 0:
+        return None
+    if outcome.first_timeline is not None and cfg.report.gantt:
+        _draw_gantt(outcome, timelines, run_dir, cfg, ctx)
+    result = {**_totals(outcome, ctx.global_batch), "losses": outcome.losses, "clock": clock, "threads": threads,
+              "peak_memory_bytes": [outcome.peak_memory_bytes[w] for w in sorted(outcome.peak_memory_bytes)],
+              "final_state": None, "matches_fault_free": None, "processes": world,
+              "process_group": pg_backend, "device": str(device)}
+    if state is not None:
+        state = {k: v.to(torch.device("cpu")) for k, v in state.items()}
+        result["final_state"] = str(save_pretrained(state, ctx.spec, run_dir / "final_model"))
+    return result
