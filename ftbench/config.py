@@ -71,6 +71,7 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay (local/dist backends)
     data: str = "synthetic"  # synthetic (seeded token stream) | text (a local file, byte-level tokens); local/dist
     data_path: Optional[str] = None  # text: the file to read
+    recompute: str = "none"  # activation recomputation: none | full (stash only each stage's input; re-run F before the backward)
 
 
 @dataclass
@@ -87,6 +88,8 @@ class BackendConfig:
     dtype: str = "float32"  # local/dist: float32 | float64 (parameters, activations, optimizer state)
     clock: Optional[str] = None  # model | wall; None: model on sim, wall on local/dist (see ftbench/loop.py)
     threads: Optional[int] = None  # local/dist: torch threads; None: from usable CPUs and model size (threads.py)
+    timeout_s: float = 60.0  # dist: deadline of every point-to-point and collective wait, s
+    deadline_s: Optional[float] = None  # dist: deadline of the whole job, s; None: timeout_s x (iterations + 10)
 
 
 @dataclass
@@ -136,7 +139,8 @@ class ReCycleConfig(CheckpointConfig):
     plan_ahead: int = 2  # plan every failure configuration of up to this many failed nodes before training
     milp_time_limit_s: float = 30.0  # CBC time limit per plan; the best plan found by then is used
     plan_cache: Optional[str] = "runs/plan-cache"  # folder of cached plans (null: keep them in memory only)
-    fallback: str = "none"  # none (a stage with no replica left ends the run) | checkpoint (restart from checkpoints)
+    fallback: str = "none"  # none (no re-routing possible, or none fits in memory, ends the run) | checkpoint (restart from checkpoints)
+    fault_free: str = "schedule"  # plan with no failure: schedule (the configured train schedule, as `none` runs it) | planned (the level's own plan)
 
 
 @dataclass
