@@ -32,12 +32,26 @@ def _stage_bytes(plan: Plan, pipeline: int, stage: int, cost_model) -> float:
 
 
 def _replica_bytes(plan: Plan, cost_model) -> dict[int, float]:
-    """Checkpointed bytes each worker holds."""
-    out = defaultdict(float)
-    for w, held in plan.holds.items():
-        for pipeline, stage in held:
-            out[w] += _stage_bytes(plan, pipeline, stage, cost_model)
-    return out
+    """Checkpointed bytes each worker holds: computed once per plan (several recovery costs
+    of one plan read it, and on a 16,384-GPU grid one walk over the workers is noticeable)."""
+    memo = plan.__dict__.setdefault("_replica_bytes_memo", {})
+    key = cost_model.key()
+    if key not in memo:
+        per_replica = {}  # (pipeline, stage) -> bytes, by what decides them: layers, first, last
+        by_shape = {}
+        out = defaultdict(float)
+        for w, held in plan.holds.items():
+            for replica in held:
+                nbytes = per_replica.get(replica)
+                if nbytes is None:
+                    pipeline, stage = replica
+                    shape = (plan.layers(pipeline, stage), stage == 0, plan.is_last_stage(pipeline, stage))
+                    if shape not in by_shape:
+                        by_shape[shape] = _stage_bytes(plan, pipeline, stage, cost_model)
+                    nbytes = per_replica[replica] = by_shape[shape]
+                out[w] += nbytes
+        memo[key] = out
+    return memo[key]
 
 
 def _writer_node_bytes(plan: Plan, cost_model) -> dict[int, float]:
