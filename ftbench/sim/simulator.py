@@ -56,20 +56,10 @@ class SimResult:
         self._build_copies()
         return self._ops
 
-    @ops.setter
-    def ops(self, rows) -> None:
-        self._build_copies()
-        self._ops = rows
-
     @property
     def previous_ops(self) -> list:
         self._build_copies()
         return self._previous_ops
-
-    @previous_ops.setter
-    def previous_ops(self, rows) -> None:
-        self._build_copies()
-        self._previous_ops = rows
 
     def _build_copies(self) -> None:
         replicas, self._replicas = self._replicas, None
