@@ -118,11 +118,15 @@ def test_dist_zero_bubble_equals_local(tmp_path):
     _assert_equal_training(summary, reference)
 
 
-def test_failures_on_dist_are_refused_for_now(tmp_path):
-    summary = run(tmp_path, "backend=dist", "model=gpt-tiny", "failures=scripted",
-                  "failures.events=[{iteration:1,node:1}]")
+def test_failures_dist_cannot_place_are_refused(tmp_path):
+    summary = run(tmp_path / "poisson", "backend=dist", "model=gpt-tiny", "failures=poisson",
+                  "failures.mtbf_hours=1")
     assert summary["status"] == "error"
-    assert "failures on backend=dist are not implemented yet" in summary["error"] and "failures=none" in summary["error"]
+    assert "failures=poisson on backend=dist is not implemented yet" in summary["error"]
+    assert "failures=scripted" in summary["error"]
+    summary = run(tmp_path / "join", "backend=dist", "model=gpt-tiny",
+                  "failures.events=[{iteration:1,node:1},{iteration:3,node:1,kind:join}]")
+    assert summary["status"] == "error" and "joins on backend=dist" in summary["error"]
 
 
 def _silent_peer(timeout_s: float, error_dir: str) -> None:

@@ -7,6 +7,8 @@
   and the run loop's Backend protocol.
 - `transport`: the transport seam over point-to-point messages and per-fragment groups.
 
-This slice trains fault-free; real kills and in-place recovery are the next steps of issue 12.
+- `agent`: one node's elastic agent, when the run has failures (one agent per node, so a
+  node's death ends only its own processes).
+- `membership`: heartbeats, failure detection and agreement through the job's store.
 Importing this package does not import torch.
 """

@@ -14,26 +14,30 @@ at their positions of one vector, zeros elsewhere, and one all-reduce of the vec
 every rank all of them. The same vector carries each rank's iteration and plan fingerprint,
 so ranks whose run loops disagree stop with an error instead of exchanging wrong tensors.
 
-`DistBackend` adapts the engine to the run loop's `Backend` protocol (ftbench.loop). It
-holds no strategy logic. This slice trains fault-free: strikes and recovery actions arrive
-with real failures (issue 12).
+`DistBackend` adapts the engine to the run loop's `Backend` protocol (ftbench.loop): real
+kills at the resolved failure point, detection and agreement among the survivors, and the
+strategies' recovery actions performed between processes. It holds no strategy logic.
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import torch
 
 from ftbench.actions import FILE, MEMORY, SNAPSHOT
 from ftbench.dist.transport import DistError, DistTransport, plan_crc
+from ftbench.engine.transport import ACT
+from ftbench.errors import ResultError
 from ftbench.engine.executor import WorkerExecutor, sync_members
 from ftbench.engine.worker import StageReplica, Worker
-from ftbench.layers import GradientSync, fragment_layout, model_layers
+from ftbench.layers import GradientSync, fragment_layout, model_layers, stage_units
 from ftbench.models.data import batch
 from ftbench.models.gpt import build_stage
 from ftbench.engine.local import fragment_writers
 from ftbench.recovery_costs import SaveCost
-from ftbench.schedule import F, OPT, dependency_graph, topological_order
+from ftbench.schedule import F, OPT, Op, dependency_graph, topological_order
 
 
 class DistEngine:
@@ -46,6 +50,7 @@ class DistEngine:
         self.worker: Worker | None = None
         self.plan = None
         self._steps = None  # (plan key, steps, loss slots, members)
+        self._crc = (None, 0)  # (plan, its fingerprint)
         self.peak_memory = 0
 
     # -- state ----------------------------------------------------------------------------
@@ -82,7 +87,7 @@ class DistEngine:
     def _plan_steps(self, plan):
         """This worker's part of the global order: ("start", sync) when a sum it takes part in
         can start, ("op", op, syncs to wait for first); the position of every loss share."""
-        key = plan.key()
+        key = (plan.key(), self.transport.worker, self.transport.epoch)  # a standby may take a worker over
         if self._steps is not None and self._steps[0] == key:
             return self._steps[1:]
         deps = dependency_graph(plan.schedule, layout=fragment_layout(plan.schedule.stages, plan.partition))
@@ -104,10 +109,15 @@ class DistEngine:
         self._steps = (key, steps, slots, members)
         return steps, slots, members
 
-    def run_iteration(self, plan, iteration: int) -> float:
+    def run_iteration(self, plan, iteration: int, completed: frozenset | None = None) -> float | None:
+        """Run this worker's ops of iteration `iteration`; the loss (every rank gets it). With
+        `completed` (where a failure strikes: ops closed under dependencies), run only those,
+        send only what a completed op takes, sum nothing and return None."""
         if self.plan is not plan:
             self.adopt(plan)
         steps, slots, members = self._plan_steps(plan)
+        if completed is not None:
+            steps = [s for s in steps if s[0] == "op" and s[1] in completed]
         schedule = plan.schedule
         offsets = [sum(schedule.microbatches[:p]) for p in range(len(schedule.microbatches))]
         b = self.ctx.microbatch_size
@@ -121,7 +131,8 @@ class DistEngine:
         vector = torch.zeros(len(slots) + 2 * world, dtype=torch.float64, device=self.device)
         if self.worker is not None:
             extra = {} if self.recompute == "none" else {"recompute": self.recompute}
-            executor = WorkerExecutor(self.worker, self.transport, plan, tokens, normaliser, **extra)
+            transport = self.transport if completed is None else _CutTransport(self.transport, plan, completed)
+            executor = WorkerExecutor(self.worker, transport, plan, tokens, normaliser, **extra)
             for step in steps:
                 if step[0] == "start":
                     executor.reduce_start(step[1], members[step[1]])
@@ -134,13 +145,19 @@ class DistEngine:
                     vector[slots[op]] = share
             self.transport.flush_sends()
             self._track_memory()
+        if completed is not None:
+            return None
         vector[len(slots) + self.rank] = iteration + 1
-        vector[len(slots) + world + self.rank] = plan_crc(plan)
+        if self._crc[0] is not plan:
+            self._crc = (plan, plan_crc(plan))
+        vector[len(slots) + world + self.rank] = self._crc[1]
         self.transport.all_sum(vector, f"end iteration {iteration} with every rank (the loss sum)")
         marks = vector[len(slots):].tolist()
-        if len(set(marks[:world])) != 1 or len(set(marks[world:])) != 1:
+        alive = self.transport.alive  # the dead left zeros
+        its, crcs = [marks[r] for r in alive], [marks[world + r] for r in alive]
+        if len(set(its)) != 1 or len(set(crcs)) != 1:
             raise DistError(f"the ranks' run loops disagree at iteration {iteration}: iterations "
-                            f"{[int(m) - 1 for m in marks[:world]]}, plan fingerprints {[int(m) for m in marks[world:]]}")
+                            f"{[int(m) - 1 for m in its]}, plan fingerprints {[int(m) for m in crcs]} (ranks {alive})")
         loss = torch.zeros((), dtype=torch.float64)
         for share in vector[:len(slots)].cpu():
             loss += share  # the global order, as the local driver adds
@@ -149,6 +166,83 @@ class DistEngine:
     def _track_memory(self) -> None:
         state = sum(r.state_bytes() for r in self.worker.replicas.values())
         self.peak_memory = max(self.peak_memory, state + self.worker.peak_activation_bytes)
+
+    def abandon_iteration(self) -> None:
+        """The iteration in flight is lost: drop its stash, deferred W and gradients, and every
+        message and sum in flight."""
+        if self.worker is not None and self.worker.alive:
+            for replica in self.worker.replicas.values():
+                replica.reset_iteration()
+        self.transport.clear()
+
+    # -- recovery ---------------------------------------------------------------------------
+    def restore(self, source: str, plan) -> int:
+        """Load the newest checkpoint every live rank can use into this rank's replicas of
+        `plan`; its iteration (0: none usable, every replica from the initial weights). Files
+        are read from the shared run folder (the leader wrote them); in-memory commits are
+        gathered from every live rank."""
+        t = self.transport
+        if source == MEMORY:
+            mine = []
+            if self.worker is not None and self.worker.alive:
+                mine = [r.commit for r in self.worker.replicas.values() if r.commit is not None]
+            everyone = t.all_gather_objects(_on_cpu(mine), "gather the in-memory commits")
+            commits = [c for part in everyone for c in part]
+            self.adopt(plan)
+            if not commits:
+                raise ResultError("unrecoverable", "no in-memory commit survived the failure")
+            iteration = max(c["iteration"] for c in commits)
+            shards = [c["shard"] for c in commits if c["iteration"] == iteration]
+        else:
+            if self.rank == t.leader and self.store is not None:
+                self.store.wait()  # a persist in flight completes before anyone reads
+            t.all_sum(torch.zeros(1, dtype=torch.float64, device=self.device), "wait for the checkpoint files")
+            self.adopt(plan)
+            loaded = self.store.load() if self.store is not None else None
+            found = torch.zeros(len(t.alive), dtype=torch.float64, device=self.device)
+            found[t.alive.index(self.rank)] = -1 if loaded is None else loaded[0]
+            t.all_sum(found, "agree on the checkpoint to restore")
+            if len(set(found.tolist())) != 1:
+                raise DistError(f"the ranks found different checkpoints in {self.store.root}: iterations "
+                                f"{[int(v) for v in found.tolist()]} (ranks {t.alive}); is the run folder shared?")
+            if loaded is None:
+                self.build(plan)
+                return 0
+            iteration, by_name = loaded
+            shards = list(by_name.values())
+        if self.worker is not None:
+            model = {k: v for sh in shards for k, v in sh["model"].items()}
+            optim = {k: v for sh in shards for k, v in sh["optim"].items()}
+            for replica in self.worker.replicas.values():
+                try:
+                    replica.load(_to(model, self.device), _to(optim, self.device))
+                except KeyError as missing:
+                    raise ResultError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
+                                      "replica: every copy of it was lost") from None
+        return iteration
+
+    def copy_replicas(self, copies, plan) -> None:
+        """Named state copies (ftbench.actions.Transfer) between processes, then `plan`: each
+        source sends its replica's weights and AdamW state as held now, each destination loads
+        them into the replica it holds in `plan`."""
+        t = self.transport
+        n = model_layers(plan.partition)
+        outgoing = []
+        for c in copies:  # read every source before adopting: a source may change place in `plan`
+            if t.rank_of(c.src) != self.rank:
+                continue
+            if self.worker is None or c.layers not in self.worker.replicas:
+                raise DistError(f"copy {c}: worker {c.src} (rank {self.rank}) holds no replica of those layers")
+            outgoing.append((c, stage_units(c.layers, c.embedding, c.head, n), self.worker.replicas[c.layers].shard()))
+        self.adopt(plan)
+        t.state_groups([(c.src, c.dst) for c in copies])
+        for c, units, shard in outgoing:
+            t.send_state(units, shard, c.src, c.dst)
+        for c in copies:
+            if t.rank_of(c.dst) == self.rank:
+                received = t.receive_state(stage_units(c.layers, c.embedding, c.head, n), c.src, c.dst)
+                self.worker.replica(c.layers).load(received["model"], received["optim"])
+        t.flush_state_sends()
 
     # -- checkpoints and results ------------------------------------------------------------
     def my_shards(self, plan) -> dict:
@@ -162,17 +256,15 @@ class DistEngine:
                 replica.commit = {"iteration": iteration, "shard": replica.shard()}
 
     def gather_final_state(self) -> dict | None:
-        """Rank 0: the trained model (Hugging Face names), after checking that every replica
+        """The leader: the trained model (Hugging Face names), after checking that every replica
         of every parameter, on every rank, holds the same weights. Other ranks: None."""
-        import torch.distributed as dist
-
+        t = self.transport
         mine = {}
         if self.worker is not None:
             for layers, replica in self.worker.replicas.items():
                 mine[(self.worker.id, layers)] = {k: v.detach().cpu() for k, v in replica.named_parameters().items()}
-        gathered = [None] * self.transport.world if self.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if self.rank != 0:
+        gathered = t.all_gather_objects(mine, "gather the trained weights")
+        if self.rank != t.leader:
             return None
         state: dict = {}
         for part in gathered:
@@ -190,55 +282,196 @@ def _on_cpu(obj):
         return obj.cpu()
     if isinstance(obj, dict):
         return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_on_cpu(v) for v in obj]
     return obj
+
+
+def _to(obj, device):
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+class _CutTransport:
+    """The transport of an iteration cut by a failure: a message whose consumer is not among
+    the completed ops is never taken, so it is not sent."""
+
+    def __init__(self, transport: DistTransport, plan, completed: frozenset):
+        self._t, self._plan, self._completed = transport, plan, completed
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+    def send(self, key, tensor, src, dst) -> None:
+        kind, pipeline, stage, microbatch = key
+        schedule = self._plan.schedule
+        consumer = Op(F, stage + 1, microbatch, pipeline) if kind == ACT else \
+            schedule.backward_input_op(stage, microbatch, pipeline)
+        if consumer in self._completed:
+            self._t.send(key, tensor, src, dst)
 
 
 class DistBackend:
     """The run loop's Backend protocol for one rank of a dist job. Every rank runs the same
-    loop and calls these methods at the same points, so collectives here line up."""
+    loop and calls these methods at the same points, so collectives here line up.
+
+    A failure (`strike`) is real: every process of the failed node runs its ops up to the
+    resolved point and SIGKILLs itself; the survivors (standbys included) detect the deaths
+    through the store's heartbeats, agree on them and continue in a new process group
+    (ftbench.dist.membership). Recovery actions are then performed for real: a standby's
+    processes take over a replaced node's workers, a restart rebuilds every worker's state
+    from the initial weights in place, checkpoints are read from the shared run folder, state
+    is copied between processes. Each recovery's measured phases are kept for the summary."""
 
     jumps = False
     cuts_ops = True
 
-    def __init__(self, engine: DistEngine):
+    def __init__(self, engine: DistEngine, gpus_per_node: int = 1, active_nodes: int | None = None,
+                 membership_store=None, realtime: bool = True):
         self.engine = engine
         self._measured_persist = False
         self._peaks: dict[int, float] = {}
+        t = engine.transport
+        g = max(1, gpus_per_node)
+        self.g = g
+        self.node_of_rank = {r: r // g for r in range(t.world)}
+        nodes = t.world // g
+        active = nodes if active_nodes is None else active_nodes
+        self.standbys = list(range(active, nodes))  # nodes whose processes wait to replace a failed one
+        self.store = membership_store
+        self.realtime = realtime
+        self.recoveries: list[dict] = []  # measured phases, one per recovery
+        self._pending: dict | None = None
+        self._first_after: dict | None = None
 
     def start(self, plan) -> None:
         self.engine.build(plan)
 
     def run_iteration(self, plan, iteration: int) -> float:
-        return self.engine.run_iteration(plan, iteration)
+        started = time.perf_counter()
+        loss = self.engine.run_iteration(plan, iteration)
+        if self._first_after is not None:
+            self._first_after["first_iteration_s"] = time.perf_counter() - started
+            self._first_after = None
+        return loss
 
     def strike(self, plan, iteration, completed, dead_workers) -> None:
-        raise DistError("failures on backend=dist are not implemented yet: use failures=none")
+        from ftbench.dist.membership import MembershipError, agree, detect
+
+        engine, t = self.engine, self.engine.transport
+        if self.store is None:
+            raise DistError("failures on backend=dist need the job's store (the launcher's per-node layout)")
+        if engine.plan is not plan:
+            engine.adopt(plan)
+        node = plan.node_of[dead_workers[0]]
+        victims = {r for r, n in self.node_of_rank.items() if n == node and r in t.alive}
+        if completed:
+            engine.run_iteration(plan, iteration, completed=completed)
+        if t.rank in victims:
+            os.kill(os.getpid(), signal.SIGKILL)  # this node fails here: every process of it
+        struck = time.perf_counter()
+        engine.abandon_iteration()
+        try:
+            dead, detect_s = detect(self.store, t.alive, t.timeout_s)
+            if dead != victims:
+                raise MembershipError(f"node {node} failed (ranks {sorted(victims)}), but the dead ranks are "
+                                      f"{sorted(dead)}")
+            survivors = [r for r in t.alive if r not in dead]
+            agree_s = agree(self.store, t.epoch + 1, t.rank, survivors, dead, t.timeout_s)
+        except MembershipError as err:
+            raise DistError(f"rank {t.rank}: {err}") from None
+        started = time.perf_counter()
+        t.regroup(survivors)
+        for r in dead:
+            del self.node_of_rank[r]
+        self._pending = {"iteration": iteration, "node": node, "dead_ranks": sorted(dead),
+                         "detection_s": detect_s, "agreement_s": agree_s,
+                         "new_group_s": time.perf_counter() - started, "struck_to_regrouped_s": 0.0}
+        self._pending["struck_to_regrouped_s"] = time.perf_counter() - struck
 
     def perform(self, actions, old, new, iteration: int) -> int | None:
+        from ftbench.actions import (Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
+                                     WaitForReplacement)
+        from ftbench.recovery_costs import action_seconds
+
+        engine, restored = self.engine, None
+        phases: dict[str, float] = {}
+        for action in actions:
+            started = time.perf_counter()
+            if isinstance(action, WaitForReplacement):
+                self._take_standbys(action.nodes, new)
+                if self.realtime and action.seconds:
+                    time.sleep(action.seconds)
+                name = "replacement_s"
+            elif isinstance(action, RestartJob):
+                engine.build(new)  # in place: every worker's state from the initial weights
+                name = "restart_s"
+            elif isinstance(action, RestoreCheckpoint):
+                restored = engine.restore(action.source, new)
+                if action.source == MEMORY:
+                    engine.commit(restored)  # what a worker restored is its commit now (as on local)
+                name = "state_transfer_s"
+            elif isinstance(action, SyncFromPeers):
+                engine.copy_replicas(action.copies, new)
+                name = "state_transfer_s"
+            elif isinstance(action, Rendezvous):
+                name = "rendezvous_s"  # the group of the survivors was built when they agreed
+            elif isinstance(action, SaveCheckpoint):
+                self.save(old, iteration, action.mode)
+                if engine.store is not None and engine.rank == engine.transport.leader:
+                    engine.store.wait()  # a restart must not begin before the files are complete
+                name = "checkpoint_s"
+            else:
+                raise TypeError(f"the dist backend cannot perform {action!r}")
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
+        engine.adopt(new)
         if actions:
-            raise DistError(f"recovery actions on backend=dist are not implemented yet "
-                            f"({', '.join(type(a).__name__ for a in actions)})")
-        self.engine.adopt(new)
-        return None
+            record = dict(self._pending or {"iteration": iteration})
+            record.update(phases)
+            record["actions"] = [type(a).__name__ for a in actions]
+            record["predicted_actions_s"] = sum(action_seconds(a, old, new, engine.ctx.cost_model) for a in actions)
+            self.recoveries.append(record)
+            self._first_after = record
+        self._pending = None
+        return restored
+
+    def _take_standbys(self, nodes, plan) -> None:
+        """Each replaced node's workers move to the processes of the next standby node."""
+        t = self.engine.transport
+        for node in nodes:
+            spare = next((n for n in self.standbys
+                          if all(self.node_of_rank.get(n * self.g + i) == n for i in range(self.g))), None)
+            if spare is None:
+                raise DistError(f"node {node} needs a replacement, but no standby process is left: on backend=dist "
+                                "a replacement is a standby node's processes (raise cluster.spares)")
+            self.standbys.remove(spare)
+            workers = sorted(w for w, n in plan.node_of.items() if n == node)
+            for i, w in enumerate(workers):
+                t.worker_rank[w] = spare * self.g + i
+            for i in range(self.g):
+                self.node_of_rank[spare * self.g + i] = node
+        t._prepared = None  # the same plan may now run on other ranks
 
     def save(self, plan, iteration: int, mode: str) -> SaveCost:
-        """A checkpoint: in-memory commits stay in each process; files are written by rank 0
-        from the writers' shards. Every rank returns rank 0's measured cost, so every run
-        loop makes the same decisions from it."""
-        import torch.distributed as dist
-
+        """A checkpoint: in-memory commits stay in each process; files are written by the
+        leader from the writers' shards. Every rank returns the leader's measured cost, so
+        every run loop makes the same decisions from it."""
         engine = self.engine
+        t = engine.transport
         if engine.plan is not plan:
             engine.adopt(plan)
         started = time.perf_counter()
         persist, stall = 0.0, None
+        leader = engine.rank == t.leader
         if mode == MEMORY:
             engine.commit(iteration)
         elif mode in (FILE, SNAPSHOT):
             shards = engine.my_shards(plan) if engine.worker is not None else {}
-            gathered = [None] * engine.transport.world if engine.rank == 0 else None
-            dist.gather_object(shards, gathered, dst=0)
-            if engine.rank == 0:
+            gathered = t.all_gather_objects(shards, "gather the checkpoint shards")
+            if leader:
                 merged = {k: v for part in gathered for k, v in part.items()}
                 if mode == FILE:
                     engine.store.save(iteration, merged)
@@ -251,15 +484,17 @@ class DistBackend:
         else:
             raise ValueError(f"unknown checkpoint mode {mode!r}")
         cost = [time.perf_counter() - started if stall is None else stall, persist]
-        dist.broadcast_object_list(cost, src=0)
+        cost = t.all_gather_objects(cost, "share the checkpoint's cost")[0]  # the leader's, first in rank order
         return SaveCost(*cost)
 
     def drop_checkpoints(self, iterations) -> None:
-        if self.engine.store is not None:
+        if self.engine.store is not None and self.engine.rank == self.engine.transport.leader:
             self.engine.store.discard_after_persist(iterations)
 
     def lose_unfinished_persist(self) -> None:
-        return None  # no failures yet on dist
+        """A failure kills a persist still in flight only on the failed node; the leader's
+        (which wrote it) finishes unless the leader died, and then it never completes."""
+        return None
 
     def check_memory(self, plan, timeline) -> str | None:
         return None
@@ -268,11 +503,9 @@ class DistBackend:
         return dict(self._peaks)
 
     def finish(self) -> None:
-        import torch.distributed as dist
-
-        if self.engine.store is not None:
+        t = self.engine.transport
+        if self.engine.store is not None and self.engine.rank == t.leader:
             self.engine.store.wait()
         mine = {} if self.engine.worker is None else {self.engine.worker.id: self.engine.peak_memory}
-        everyone = [None] * self.engine.transport.world
-        dist.all_gather_object(everyone, mine)
+        everyone = t.all_gather_objects(mine, "gather the peak memory")
         self._peaks = {w: v for part in everyone for w, v in part.items()}

@@ -42,10 +42,20 @@ def deadline_s(cfg) -> float:
 
 
 def check_config(cfg, strategy, clock: str) -> None:
-    """What this slice of backend=dist runs: fault-free training, with decisions every rank
-    takes alike (ftbench.dist.worker)."""
-    if cfg.failures.kind != "none":
-        raise ConfigError("failures", "failures on backend=dist are not implemented yet", "use failures=none")
+    """What backend=dist runs: decisions every rank takes alike (ftbench.dist.worker), so
+    failures scripted by iteration (or by time on the modelled clock), and no joins."""
+    if cfg.failures.kind not in ("none", "scripted"):
+        raise ConfigError("failures", f"failures={cfg.failures.kind} on backend=dist is not implemented yet: every "
+                          "rank must see each failure at the same iteration", "use failures=scripted (or none)")
+    if cfg.failures.kind == "scripted":
+        joins = [e for e in cfg.failures.events or () if str(e.get("kind", "fail")) == "join"]
+        timed = [e for e in cfg.failures.events or () if e.get("time_s") is not None]
+        if timed and clock == "wall":
+            raise ConfigError("failures.events", "a failure at time_s on backend=dist's wall clock would strike each "
+                              "rank at its own point", "give the failure an iteration, or use backend.clock=model")
+        if joins:
+            raise ConfigError("failures.events", "joins on backend=dist are not implemented yet (a returning node "
+                              "needs new processes)", "leave out the join events, or use backend=local")
     t = cfg.backend.get("timeout_s")
     if t is None or not t > 0:
         raise ConfigError("backend.timeout_s", f"must be a positive number of seconds, got {t}",
@@ -56,7 +66,7 @@ def check_config(cfg, strategy, clock: str) -> None:
                           "set backend.deadline_s=3600, or null for timeout_s x (iterations + 10)")
     if clock == "wall":
         why = ("every rank runs the run loop and must take the same decisions, but each would take this one from "
-               "its own wall clock (an agreement step arrives with failures on dist)")
+               "its own wall clock")
         if cfg.train.max_hours is not None:
             raise ConfigError("train.max_hours", f"a wall-clock time limit on backend=dist is not implemented yet: "
                               f"{why}", "drop train.max_hours, or use backend.clock=model")
@@ -73,9 +83,21 @@ def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str
         from ftbench.dist.worker import train
 
         result = train(job, log=log)
+    elif cfg.failures.kind != "none":
+        # One agent per node, standbys included, so a node's death ends only its own processes.
+        nodes = cluster.nodes + cluster.spares
+        result = launch_nodes(job, nodes, cluster.gpus_per_node, log, timeout_s(cfg), deadline_s(cfg))
     else:
         processes = len(strategy.plan(cluster.view()).workers)
         result = launch_training(job, processes, log, timeout_s(cfg), deadline_s(cfg))
+    if result.get("final_state_file"):  # the leader was not rank 0 (its node failed): write the model here
+        import torch
+
+        from ftbench.models.gpt import save_pretrained
+
+        path = Path(result.pop("final_state_file"))
+        result["final_state"] = str(save_pretrained(torch.load(path), ctx.spec, Path(run_dir) / "final_model"))
+        path.unlink()
     if result.get("status") == "ok" and cfg.report.check_fault_free and strategy.name != "none":
         _check_fault_free(cfg, ctx, result, log)
     log({"event": "end", "status": result.get("status"), "iterations": result.get("iterations"),
@@ -135,6 +157,69 @@ def launch_training(job: dict, processes: int, log, timeout: float, deadline: fl
     finally:
         tail.stop()
     return results[0]
+
+
+def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float, deadline: float) -> dict:
+    """The job as `nodes` elastic agents on this machine (ftbench.dist.agent), one per node,
+    meeting in a store this process hosts; the leader's results. Past `deadline` every agent
+    and its processes are stopped."""
+    import pickle
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ftbench.dist.membership import STORE_ENV
+    from ftbench.dist.transport import DistError
+
+    folder = Path(job["error_dir"])
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in [*folder.glob("error-rank*.json"), *folder.glob("result-rank*.pkl")]:
+        stale.unlink()
+    job_path = folder / "job.pkl"
+    job_path.write_bytes(pickle.dumps(job))
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                     timeout=timedelta(seconds=timeout))
+    run_id = f"ftbench-{uuid.uuid4().hex[:8]}"
+    tail = _Tail(Path(job["metrics"]), log)
+    tail.start()
+    agents = []
+    started = time.monotonic()
+    try:
+        for node in range(nodes):
+            with open(folder / f"agent{node}.log", "wb") as out:
+                agents.append(subprocess.Popen(
+                    [sys.executable, "-m", "ftbench.dist.agent", str(job_path), str(node), str(nodes),
+                     str(gpus_per_node), f"127.0.0.1:{port}", run_id],
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    env=dict(os.environ, **{STORE_ENV: f"127.0.0.1:{port}"})))
+        for agent in agents:
+            left = deadline - (time.monotonic() - started)
+            try:
+                agent.wait(timeout=max(left, 0.01))
+            except subprocess.TimeoutExpired:
+                raise DistError(f"the dist job ran past its deadline of {deadline:g} s (backend.deadline_s) and was "
+                                f"stopped; rank logs in {folder / 'logs'}") from None
+    finally:
+        for agent in agents:  # an agent and the processes it forked share its session
+            if agent.poll() is None:
+                try:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                agent.wait()
+        tail.stop()
+        del store
+    results = sorted(folder.glob("result-rank*.pkl"))
+    if not results:
+        root = first_error(folder)
+        if root is not None:
+            raise DistError(f"rank {root['rank']} failed: {root['error']} (rank logs in {folder / 'logs'})")
+        raise DistError(f"the dist job ended without results after {time.monotonic() - started:.1f} s "
+                        f"(agent logs in {folder})")
+    return pickle.loads(results[0].read_bytes())
 
 
 def free_port() -> int:

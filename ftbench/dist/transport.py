@@ -11,7 +11,7 @@ One process per worker; a worker's rank is its worker id (`rank_of`). What cross
   message also carries a tag made from its key (kind, pipeline, stage, micro-batch), so a
   message can only ever land in the receive posted for that key.
 - **Gradient sums** of one layer fragment (ftbench.layers.GradientSync) run in a process
-  group of the fragment's members (`dist.new_group`, one per member set), on one flat buffer
+  group of the fragment's members (one per member set), on one flat buffer
   per fragment. Two members all-reduce (a + b == b + a bit for bit); three or more
   all-gather and add in member order, the order the in-process transport adds in, so the
   sums, hence the trained weights, equal the `local` backend's exactly. The slots of a
@@ -20,8 +20,13 @@ One process per worker; a worker's rank is its worker id (`rank_of`). What cross
 
 Every wait has a deadline (`timeout_s`, the process groups' timeout too) and a wait that
 runs past it raises `DistTimeout` naming this worker, the peer and the operation.
-Groups are created collectively: every rank calls `prepare(plan)` at the same point with the
-same plan, and creates the groups the plan needs in one fixed order.
+
+Groups are torch's gloo (or NCCL) process groups built directly on the job's store, named by
+the membership epoch and their ranks (`Group`): only the members build one, so after a
+failure the survivors make the groups of the new epoch without the dead (torch's
+`new_group` would need every rank of the job, or names that depend on each process's
+history). Every rank calls `prepare(plan)` at the same point with the same plan and builds
+the groups it belongs to in one fixed order.
 """
 from __future__ import annotations
 
@@ -63,8 +68,17 @@ def describe(key: Key) -> str:
 
 
 def plan_crc(plan) -> int:
-    """A fingerprint of a plan that is the same in every process (str hashes are salted)."""
-    return zlib.crc32(repr((plan.name, plan.schedule.key(), plan.partition)).encode())
+    """A fingerprint of a plan that is the same in every process (str hashes are salted): its
+    ops worker by worker, whichever way the schedule holds them (a plan read from the plan
+    cache is a plain dict where the one planned here is a lazy grid)."""
+    from ftbench.schedule import read_ops
+
+    schedule = plan.schedule
+    read = read_ops(schedule)
+    crc = zlib.crc32(repr((plan.name, schedule.stages, schedule.microbatches, plan.partition)).encode())
+    for w in sorted(schedule.ops):
+        crc = zlib.crc32(repr((w, [tuple(op) for op in read(w)])).encode(), crc)
+    return crc
 
 
 def p2p_order(plan) -> tuple[dict, dict]:
@@ -105,26 +119,63 @@ class DistTransport:
         self.device, self.dtype, self.message_shape = device, dtype, tuple(message_shape)
         self.ordered = ordered  # the backend matches messages by order only (NCCL): refuse plans that reorder
         self.worker: int | None = None  # this process's worker in the current plan
+        # Membership (ftbench.dist.membership): the live ranks, the group they all share (None:
+        # the default group, before any failure), the epoch it belongs to, and which rank runs
+        # each worker (a standby's rank takes over the workers of the node it replaces).
+        self.alive: list[int] = list(range(world))
+        self.epoch = 0
+        self.worker_rank: dict[int, int] = {}
+        from ftbench.dist.membership import job_store
+
+        self.store = job_store(self.timeout_s)
+        self.group = self._new_group(self.alive, "all")  # every live rank
         self._pairs: dict[tuple[int, int], object] = {}  # (src rank, dst rank) -> group of that direction
         self._groups: dict[tuple[int, ...], object] = {}  # sorted member ranks -> fragment group
         self._slots: dict = {}  # (sync, members) -> per slot: shape or None (no member has a gradient)
         self._sends: list = []  # (work, tensor, key, dst) in flight
+        self._state_sends: list = []  # (work, tensor, units, dst) of state copies in flight
         self._reductions: dict = {}  # sync -> (work, buffer(s), members, slots)
         self._prepared = None
 
     # -- ranks and groups ---------------------------------------------------------------
     def rank_of(self, worker: int) -> int:
-        if not 0 <= worker < self.world:
-            raise DistError(f"worker {worker} has no process: the job has {self.world} (one per worker, ranks 0.."
-                            f"{self.world - 1})")
-        return worker
+        rank = self.worker_rank.get(worker, worker)
+        if not 0 <= rank < self.world:
+            raise DistError(f"worker {worker} has no process: the job has {self.world} (one per GPU of every node, "
+                            f"standbys included: ranks 0..{self.world - 1})")
+        return rank
+
+    @property
+    def leader(self) -> int:
+        """The lowest live rank: it writes the metrics, the checkpoint files and the results."""
+        return self.alive[0]
+
+    def _new_group(self, ranks, name: str = "group") -> "Group":
+        """A process group of `ranks` in this membership epoch, created by its members only,
+        named by the epoch and its ranks in the job's store (every member derives the same
+        name, and ranks outside it, dead ones included, never need to answer)."""
+        ranks = tuple(sorted(ranks))
+        prefix = f"pg/{self.epoch}/{name}/{'-'.join(map(str, ranks))}/"
+        return Group(self.store, prefix, ranks, self.rank, self.timeout, self.device)
+
+    def regroup(self, alive: list[int]) -> None:
+        """Continue with the ranks `alive` (every one of them calls this at the same point): a
+        new epoch with its own groups; messages and sums in flight are dropped with the old ones."""
+        self.alive = sorted(alive)
+        self.epoch += 1
+        self.clear()
+        self._pairs.clear()
+        self._groups.clear()
+        self._slots.clear()
+        self._prepared = None
+        self.group = self._new_group(self.alive, "all")
 
     def prepare(self, plan) -> None:
         """Create the process groups `plan` needs (collective: every rank, same plan, same point)."""
         key = plan.key()
         if self._prepared == key:
             return
-        self.worker = self.rank if self.rank in plan.workers else None
+        self.worker = next((w for w in plan.workers if self.rank_of(w) == self.rank), None)
         sends, receives = p2p_order(plan)
         if self.ordered:
             for pair, keys in sorted(sends.items()):
@@ -135,15 +186,15 @@ class DistTransport:
                                     "order (NCCL) cannot deliver")
         for src, dst in sorted(sends):
             pair = (self.rank_of(src), self.rank_of(dst))
-            if pair not in self._pairs:
-                self._pairs[pair] = dist.new_group(sorted(pair), timeout=self.timeout)
+            if pair not in self._pairs and self.rank in pair:
+                self._pairs[pair] = self._new_group(pair, f"from{pair[0]}to{pair[1]}")  # one per direction
         for sync in fragment_layout(plan.schedule.stages, plan.partition).syncs:
             members = _members(plan, sync)
             if len(members) < 2:
                 continue
             ranks = tuple(sorted(self.rank_of(m) for m in members))
-            if ranks not in self._groups:
-                self._groups[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
+            if ranks not in self._groups and self.rank in ranks:
+                self._groups[ranks] = self._new_group(ranks, "fragment")
         self._slots.clear()
         self._prepared = key
 
@@ -163,13 +214,15 @@ class DistTransport:
     def send(self, key: Key, tensor: torch.Tensor, src: int, dst: int) -> None:
         s, d = self.rank_of(src), self.rank_of(dst)
         t = tensor.detach().contiguous()
-        work = dist.isend(t, dst=d, group=self._pairs[(s, d)], tag=tag_of(key))
+        group = self._pairs[(s, d)]
+        work = group.pg.send([t], group.index(d), tag_of(key))
         self._sends.append((work, t, key, dst))
 
     def receive(self, key: Key, src: int, dst: int) -> torch.Tensor:
         s, d = self.rank_of(src), self.rank_of(dst)
         buffer = torch.empty(self.message_shape, dtype=self.dtype, device=self.device)
-        work = dist.irecv(buffer, src=s, group=self._pairs[(s, d)], tag=tag_of(key))
+        group = self._pairs[(s, d)]
+        work = group.pg.recv([buffer], group.index(s), tag_of(key))
         self._wait(work, f"receive {describe(key)} from worker {src} (rank {s})")
         return buffer
 
@@ -197,11 +250,11 @@ class DistTransport:
                          torch.zeros(_numel(shape), dtype=self.dtype, device=self.device))
         flat = torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=self.device)
         if len(members) == 2:
-            work = dist.all_reduce(flat, group=group, async_op=True)
+            work = group.pg.allreduce([flat])
             self._reductions[sync] = (work, flat, None, members, slots)
         else:
             gathered = [torch.empty_like(flat) for _ in ranks]
-            work = dist.all_gather(gathered, flat, group=group, async_op=True)
+            work = group.pg.allgather([gathered], [flat])
             self._reductions[sync] = (work, flat, gathered, members, slots)
 
     def reduce_wait(self, sync: GradientSync, worker: int) -> list:
@@ -235,36 +288,125 @@ class DistTransport:
                 header[i, 0] = t.dim() + 1
                 for j, size in enumerate(t.shape):
                     header[i, 1 + j] = size
-        work = dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        work = group.pg.allreduce([header], options)
         self._wait(work, f"agree on the gradients of layer fragment {sync.units} with workers {members}")
         slots = []
         for row in header.tolist():
             slots.append(None if row[0] == 0 else tuple(row[1:row[0]]))
         return slots
 
-    # -- state copies (arrive with failures) ----------------------------------------------
+    # -- state copies (recovery: a worker taking layers from a live holder) ----------------
+    def state_groups(self, pairs) -> None:
+        """Create the groups for state copies between (src worker, dst worker) `pairs`, in the
+        given order (every rank walks the same list, so creations never wait on each other in
+        a cycle); one group per unordered pair of ranks."""
+        for src, dst in pairs:
+            key = ("state",) + tuple(sorted((self.rank_of(src), self.rank_of(dst))))
+            if key not in self._pairs and self.rank in key[1:] and key[1] != key[2]:
+                self._pairs[key] = self._new_group(key[1:], "state")
+
     def send_state(self, units, shard, src, dst) -> None:
-        raise DistError("state copies between processes arrive with failures on backend=dist (issue 12)")
+        s, d = self.rank_of(src), self.rank_of(dst)
+        payload = _pack(shard)
+        group = self._pairs[("state",) + tuple(sorted((s, d)))]
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        tag = _state_tag(units)
+        for t, k in ((size, tag), (payload, tag + 1)):
+            self._state_sends.append((group.pg.send([t], group.index(d), k), t, units, dst))
 
     def receive_state(self, units, src, dst) -> dict:
-        raise DistError("state copies between processes arrive with failures on backend=dist (issue 12)")
+        s, d = self.rank_of(src), self.rank_of(dst)
+        group = self._pairs[("state",) + tuple(sorted((s, d)))]
+        what = f"receive the state of layer units {units} from worker {src} (rank {s})"
+        size = torch.zeros(1, dtype=torch.int64)
+        self._wait(group.pg.recv([size], group.index(s), _state_tag(units)), what)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._wait(group.pg.recv([payload], group.index(s), _state_tag(units) + 1), what)
+        return _unpack(payload, self.device)
+
+    def flush_state_sends(self) -> None:
+        sends, self._state_sends = self._state_sends, []
+        for work, _, units, dst in sends:
+            self._wait(work, f"send the state of layer units {units} to worker {dst}, which did not take it")
 
     # -- whole-job collectives --------------------------------------------------------------
     def all_sum(self, values: torch.Tensor, what: str) -> torch.Tensor:
         """Sum `values` over every rank of the job (in place), within the deadline."""
-        work = dist.all_reduce(values, async_op=True)
-        self._wait(work, what)
+        self._wait(self.group.pg.allreduce([values]), what)
         return values
+
+    def all_gather_objects(self, obj, what: str) -> list:
+        """`obj` of every live rank (picklable, small), in rank order, within the deadline."""
+        import pickle
+
+        group = self.group
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in group.ranks]
+        self._wait(group.pg.allgather([sizes], [torch.tensor([data.numel()], device=self.device)]), what)
+        longest = max(int(n.item()) for n in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded[:data.numel()] = data
+        parts = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in group.ranks]
+        self._wait(group.pg.allgather([parts], [padded]), what)
+        return [pickle.loads(p[:int(n.item())].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
 
     def clear(self) -> None:
         self._sends.clear()
         self._reductions.clear()
 
 
+class Group:
+    """A process group of some ranks: torch's own gloo (NCCL on a GPU) process group built on
+    a prefix of the job's store, as torchft builds one per membership; `pg` takes the
+    c10d calls (send, recv, allreduce, allgather), `index(rank)` is a rank's place in it."""
+
+    def __init__(self, store, prefix: str, ranks: tuple[int, ...], rank: int, timeout, device):
+        self.ranks = ranks
+        self._index = {r: i for i, r in enumerate(ranks)}
+        prefixed = dist.PrefixStore(prefix, store)
+        if device.type == "cuda":
+            self.pg = dist.ProcessGroupNCCL(prefixed, self._index[rank], len(ranks))
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, self._index[rank], len(ranks), timeout)
+
+    def index(self, rank: int) -> int:
+        return self._index[rank]
+
+
 def _members(plan, sync) -> tuple[int, ...]:
     from ftbench.engine.executor import sync_members
 
     return sync_members(plan, sync)
+
+
+def _state_tag(units) -> int:
+    lo, hi = units
+    return ((lo << 12) | hi) << 1
+
+
+def _pack(shard) -> torch.Tensor:
+    """A shard (nested dicts of tensors) as bytes in a uint8 tensor (host memory)."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(_to_cpu(shard), buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _unpack(payload: torch.Tensor, device) -> dict:
+    import io
+
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), map_location=device, weights_only=False)
+
+
+def _to_cpu(obj):
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
 
 
 def _numel(shape) -> int:

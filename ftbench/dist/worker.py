@@ -2,12 +2,12 @@
 
 **Who drives.** Every rank runs the same run loop (ftbench.loop.RunLoop) over the same
 config, failure script and strategy, so every rank takes the same decisions at the same
-points and the backend's collectives line up; rank 0 writes the metrics lines and returns
-the results. Nothing is broadcast per iteration: the loop's inputs are identical everywhere
+points and the backend's collectives line up; the leader (the lowest live rank) writes the
+metrics lines and returns the results. Nothing is broadcast per iteration: the loop's inputs are identical everywhere
 (seeded data and failures, deterministic planning) and the backend hands every rank the
 same loss and the same measured checkpoint costs. Decisions taken from each process's own
 wall clock (a measured checkpoint interval, `train.max_hours`) are refused on the wall clock
-in this slice (ftbench.dist.launch.check_config): they need an agreement step. Every
+(ftbench.dist.launch.check_config): they would need an agreement step. Every
 iteration's closing all-reduce also compares the ranks' iteration and plan, so ranks whose
 loops disagree stop with an error instead of exchanging the wrong tensors.
 
@@ -133,33 +133,56 @@ def train(job: dict, log=None) -> dict | None:
     import torch.distributed as dist
 
     rank, world, device, pg_backend = init_process_group(float(cfg.backend.timeout_s))
-    writer = None
-    if log is None:
-        if rank == 0 and job.get("metrics"):
-            log = writer = LineWriter(job["metrics"])
-        else:
-            log = _ignore
-    elif rank != 0:
-        log = _ignore
+    leader_log = _LeaderLog(rank, log, job.get("metrics"))
+    heartbeat = None
+    if cfg.failures.kind != "none":  # the survivors of a failure tell the dead by their silent beat
+        from ftbench.dist.membership import Heartbeat
+
+        heartbeat = Heartbeat(rank, float(cfg.backend.timeout_s)).start()
     try:
-        result = _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads)
-    except BaseException:
+        result = _train(cfg, ctx, job, leader_log, rank, world, device, pg_backend, threads, heartbeat)
+    finally:
         # A failed rank leaves at once: its peers' waits end at their deadlines (or the
         # launcher stops them); tearing the groups down here could block on a dead peer.
-        if writer is not None:
-            writer.close()
-        raise
-    if writer is not None:
-        writer.close()
-    dist.destroy_process_group()
+        leader_log.close()
+        if heartbeat is not None:
+            heartbeat.stop()
+    if heartbeat is None:
+        dist.destroy_process_group()
     return result
+
+
+class _LeaderLog:
+    """The run loop's `log` on every rank: only the current leader (the lowest live rank)
+    writes, so after the leader's node fails the next one carries on in the same file."""
+
+    def __init__(self, rank: int, log, path):
+        self.rank, self.log, self.path = rank, log, path
+        self.leader = lambda: 0  # set once the transport exists
+        self._writer = None
+
+    def __call__(self, record: dict) -> None:
+        if self.leader() != self.rank:
+            return
+        if self.log is None:
+            if not self.path:
+                return
+            if self._writer is None:
+                self._writer = LineWriter(self.path)
+            self._writer(record)
+        else:
+            self.log(record)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
 
 def _ignore(record: dict) -> None:
     return None
 
 
-def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads) -> dict | None:
+def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbeat=None) -> dict | None:
     import torch
 
     from ftbench.actions import FILE, SNAPSHOT
@@ -187,23 +210,36 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads) -> dict
     dtype = DTYPES[cfg.backend.dtype]
     transport = DistTransport(rank, world, float(cfg.backend.timeout_s), device, dtype,
                               (ctx.microbatch_size, ctx.seq_len, ctx.spec.hidden), ordered=pg_backend == "nccl")
+    log.leader = lambda: transport.leader
     store = None
-    if rank == 0 and getattr(strategy, "checkpoint_mode", None) in (FILE, SNAPSHOT):
+    if getattr(strategy, "checkpoint_mode", None) in (FILE, SNAPSHOT):
+        # The leader writes; after a failure every rank reads its state back from the same folder.
         store = CheckpointStore(run_dir / "checkpoints", keep=cfg.strategy.get("keep", 2))
     engine = DistEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, dtype, transport, device, store,
                         recompute=cfg.train.get("recompute") or "none")
     timelines = SimCache(ctx.cost_model)
-    outcome = run_loop(ctx, strategy, cluster, script, DistBackend(engine), timelines, log, None, clock=clock)
+    membership = None
+    if heartbeat is not None:
+        from ftbench.dist.membership import job_store
+
+        membership = job_store(float(cfg.backend.timeout_s))  # the heartbeat thread keeps its own client
+    backend = DistBackend(engine, cluster.gpus_per_node, cluster.nodes, membership)
+    outcome = run_loop(ctx, strategy, cluster, script, backend, timelines, log, None, clock=clock)
     state = engine.gather_final_state() if outcome.status == "ok" else None
-    if rank != 0:
+    if rank != transport.leader:
         return None
     if outcome.first_timeline is not None and cfg.report.gantt:
         _draw_gantt(outcome, timelines, run_dir, cfg, ctx)
     result = {**_totals(outcome, ctx.global_batch), "losses": outcome.losses, "clock": clock, "threads": threads,
               "peak_memory_bytes": [outcome.peak_memory_bytes[w] for w in sorted(outcome.peak_memory_bytes)],
               "final_state": None, "matches_fault_free": None, "processes": world,
-              "process_group": pg_backend, "device": str(device)}
+              "process_group": pg_backend, "device": str(device), "measured_recoveries": backend.recoveries}
     if state is not None:
         state = {k: v.to(torch.device("cpu")) for k, v in state.items()}
-        result["final_state"] = str(save_pretrained(state, ctx.spec, run_dir / "final_model"))
+        if rank == 0:
+            result["final_state"] = str(save_pretrained(state, ctx.spec, run_dir / "final_model"))
+        else:  # transformers writes files on torch.distributed rank 0 only: the launcher converts this one
+            path = run_dir / "dist" / "final_state.pt"
+            torch.save(state, path)
+            result["final_state_file"] = str(path)
     return result

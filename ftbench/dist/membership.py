@@ -1,0 +1,116 @@
+"""Who is still in a dist job: heartbeats, failure detection and agreement through the store.
+
+Every process of the job beats a counter in the job's TCPStore (the rendezvous store, which
+the launcher hosts, so it outlives any node) from a thread of its own. After a failure the
+survivors *detect* it: a member whose counter stops moving for `stale_s` is dead, one whose
+counter moves is alive; every member is classified within the deadline or the job stops
+with an error. Then they *agree*: each survivor posts the dead set it saw under the new
+membership epoch and reads everyone else's; all must be equal. Only then do they build the
+process group of the new epoch (torch's own `new_group` with local synchronisation, so the
+dead never need to answer), on which everything after runs.
+
+This is the small part a reconfigurable process group needs on top of torch.distributed;
+torchft packages the same idea (a quorum, then `configure()` of a fresh group per
+membership) but brings a Rust lighthouse and a package outside this project's dependencies.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+
+HEARTBEAT_S = 0.05  # between beats
+STALE_S = 1.0  # a member whose beat has not moved this long is dead
+
+
+STORE_ENV = "FTBENCH_STORE"  # host:port of the store the launcher hosts (ftbench.dist.launch.launch_nodes)
+
+
+def job_store(timeout_s: float):
+    """A client of the job's store, under this job's prefix: the one the launcher hosts when it
+    started the nodes (it outlives every node), else the launcher's MASTER_ADDR/MASTER_PORT
+    (under torchrun: a store hosted by node 0's agent)."""
+    import torch.distributed as dist
+
+    endpoint = os.environ.get(STORE_ENV)
+    host, port = endpoint.rsplit(":", 1) if endpoint else (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"ftbench/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/", store)
+
+
+class Heartbeat:
+    """This process's beat: a counter in the store, moved every HEARTBEAT_S from a daemon thread
+    (its own store client: the main thread's waits never delay it)."""
+
+    def __init__(self, rank: int, timeout_s: float):
+        self.rank = rank
+        self.store = job_store(timeout_s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftbench-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self.store.add(f"hb/{self.rank}", 1)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.store.add(f"hb/{self.rank}", 1)
+            except Exception:  # noqa: BLE001 - the store went away: the job is ending
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class MembershipError(RuntimeError):
+    pass
+
+
+def detect(store, members: list[int], deadline_s: float, stale_s: float = STALE_S) -> tuple[set[int], float]:
+    """(the members that died, seconds it took to know): a member whose beat has not moved
+    for `stale_s` is dead. A failure is expected, so this waits until some member is dead and
+    then until the dead set has held still for `stale_s` (the other processes of a failed node
+    die at about the same time)."""
+    started = time.perf_counter()
+    beat = {r: store.add(f"hb/{r}", 0) for r in members}
+    moved = {r: started for r in members}
+    dead: set[int] = set()
+    settled = None  # when the dead set last changed
+    while True:
+        now = time.perf_counter()
+        for r in members:
+            b = store.add(f"hb/{r}", 0)
+            if b != beat[r]:
+                beat[r], moved[r] = b, now
+        seen = {r for r in members if now - moved[r] >= stale_s}
+        if seen != dead:
+            dead, settled = seen, now
+        if dead and now - settled >= stale_s:
+            return dead, now - started
+        if now - started > deadline_s:
+            raise MembershipError(f"no process stopped beating within {deadline_s:g} s after the failure point"
+                                  if not dead else f"the set of dead ranks kept changing for {deadline_s:g} s")
+        time.sleep(HEARTBEAT_S / 2)
+
+
+def agree(store, epoch: int, rank: int, survivors: list[int], dead: set[int], deadline_s: float) -> float:
+    """Post this rank's view of epoch `epoch` (the dead set) and check every survivor's is the
+    same; seconds it took. Raises MembershipError naming who saw what otherwise."""
+    started = time.perf_counter()
+    store.set(f"view/{epoch}/{rank}", json.dumps(sorted(dead)))
+    keys = [f"view/{epoch}/{r}" for r in survivors]
+    try:
+        store.wait(keys, timedelta(seconds=deadline_s))
+    except Exception as err:  # noqa: BLE001 - DistStoreError on a timeout
+        missing = [r for r, k in zip(survivors, keys) if not store.check([k])]
+        raise MembershipError(f"ranks {missing} posted no view of membership epoch {epoch} within {deadline_s:g} s "
+                              f"({type(err).__name__})") from None
+    views = {r: json.loads(store.get(k)) for r, k in zip(survivors, keys)}
+    if any(v != sorted(dead) for v in views.values()):
+        raise MembershipError(f"the survivors disagree on who failed in membership epoch {epoch}: "
+                              + ", ".join(f"rank {r} saw {v}" for r, v in sorted(views.items())))
+    return time.perf_counter() - started
