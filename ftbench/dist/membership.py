@@ -22,7 +22,8 @@ import time
 from datetime import timedelta
 
 HEARTBEAT_S = 0.05  # between beats
-STALE_S = 1.0  # a member whose beat has not moved this long is dead
+STALE_S = 2.0  # a member whose beat has not moved this long is dead (threads of a busy machine stall ~1 s)
+SETTLE_S = 0.5  # after the first death, how long the dead set must hold still (a node's processes die together)
 
 
 STORE_ENV = "FTBENCH_STORE"  # host:port of the store the launcher hosts (ftbench.dist.launch.launch_nodes)
@@ -73,7 +74,7 @@ class MembershipError(RuntimeError):
 def detect(store, members: list[int], deadline_s: float, stale_s: float = STALE_S) -> tuple[set[int], float]:
     """(the members that died, seconds it took to know): a member whose beat has not moved
     for `stale_s` is dead. A failure is expected, so this waits until some member is dead and
-    then until the dead set has held still for `stale_s` (the other processes of a failed node
+    then until the dead set has held still for SETTLE_S (the other processes of a failed node
     die at about the same time)."""
     started = time.perf_counter()
     beat = {r: store.add(f"hb/{r}", 0) for r in members}
@@ -89,7 +90,7 @@ def detect(store, members: list[int], deadline_s: float, stale_s: float = STALE_
         seen = {r for r in members if now - moved[r] >= stale_s}
         if seen != dead:
             dead, settled = seen, now
-        if dead and now - settled >= stale_s:
+        if dead and now - settled >= SETTLE_S:
             return dead, now - started
         if now - started > deadline_s:
             raise MembershipError(f"no process stopped beating within {deadline_s:g} s after the failure point"
