@@ -27,13 +27,13 @@ SETUP = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=2", "train.iterations=6",
          "report.gantt=false", "report.progress=false", "backend.timeout_s=30")
 
 
-def run_dist(tmp_path, *overrides) -> tuple[dict, list[dict]]:
+def run_dist(tmp_path, *overrides, setup=SETUP) -> tuple[dict, list[dict]]:
     """A dist run from the CLI with a marker in its environment; (summary, metrics lines), after
     checking that no process of it is left."""
     marker = uuid.uuid4().hex
     env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1",
                FTBENCH_TEST_MARKER=marker)
-    out = subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", *SETUP, *overrides,
+    out = subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", *setup, *overrides,
                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -103,3 +103,25 @@ def test_a_seeded_random_kill(tmp_path, strategy):
                               f"failures.events=[{{iteration:{iteration},node:{node}}}]")
     _assert_complete(summary, lines, node, iteration)
     _assert_measured(summary, [node])
+
+
+@pytest.mark.parametrize("strategy, events", [
+    ("checkpoint", [dict(iteration=3, node=3)]),
+    ("elastic-horovod", [dict(iteration=2, node=1), dict(iteration=5, node=3)]),
+    ("recycle", [dict(iteration=3, node=3)]),
+])
+def test_dist_agrees_with_sim(tmp_path, strategy, events):
+    """The conformance check (tests/test_conformance.py) with dist in it: on the modelled clock
+    the same script gives the same events, recovery actions, restored iterations, lost work
+    and plans on dist, where the failed node's processes really die, as on sim."""
+    from test_conformance import EVERY, SETUP as CONFORMANCE, _events, _trace
+
+    from conftest import run
+
+    overrides = (f"strategy={strategy}", *EVERY.get(strategy, ()), "cluster.spares=1", "failures=scripted",
+                 _events(*events))
+    sim = run(tmp_path / "sim", "backend=sim", *CONFORMANCE, *overrides)
+    assert sim["status"] == "ok", sim["error"]
+    dist_summary, _ = run_dist(tmp_path / "dist", "backend.clock=model", "report.progress=false",
+                               "backend.timeout_s=30", *overrides, setup=CONFORMANCE)
+    assert _trace(tmp_path / "dist", dist_summary) == _trace(tmp_path / "sim", sim)
