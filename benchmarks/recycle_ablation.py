@@ -35,9 +35,14 @@ Single setup (the old interface, used when any of --dp, --model, --hardware, --p
 --microbatches, --stages is given): one failure at a time of worker (0, s) for each s in
 --stages, with both references, and the Gantt of the first.
 
-    python benchmarks/recycle_ablation.py [--full | --quick] [--out runs/recycle-ablation.png]
+    python benchmarks/recycle_ablation.py [--full | --quick] [--overlap] [--out runs/recycle-ablation.png]
     python benchmarks/recycle_ablation.py --dp 4 [--microbatches 8] [--model gpt3-medium]
                                           [--hardware a100-40gb] [--pp 4] [--stages 1,2]
+
+--overlap runs everything with train.overlap_grad_reduce=true: each layer fragment's gradient
+all-reduce runs in per-layer buckets during the last micro-batch's backward (Megatron-LM's
+--overlap-grad-reduce) instead of after it (DeepSpeed, the paper's baseline, the default);
+references, plans and planners alike.
 
 Plans are computed on the spot (strategy.plan_cache=null, plan_ahead=0). A plan that does not
 fit in the GPU's memory, or a failure set that re-routing cannot absorb, prints as
@@ -50,6 +55,7 @@ schedules timed by the cost model); nothing is tuned to reproduce the paper's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -83,6 +89,7 @@ class Setup:
     hardware: str
     pp: int
     microbatches: int  # per pipeline
+    overlap: bool = False  # train.overlap_grad_reduce (--overlap)
 
 
 SETUPS = (Setup("gpt3-medium", "a100-40gb", 4, 8),
@@ -113,7 +120,8 @@ def config(setup: Setup, dp: int, level: str = "staggered", fault_free: str = "s
     return compose(["backend=sim", "failures=none", "strategy=recycle", f"strategy.level={level}",
                     f"strategy.fault_free={fault_free}", "strategy.plan_ahead=0", "strategy.plan_cache=null",
                     f"model={setup.model}", f"hardware={setup.hardware}", f"cluster.pp={setup.pp}",
-                    f"cluster.dp={dp}", "cluster.gpus_per_node=1", f"train.microbatches={setup.microbatches}"])
+                    f"cluster.dp={dp}", "cluster.gpus_per_node=1", f"train.microbatches={setup.microbatches}",
+                    f"train.overlap_grad_reduce={str(setup.overlap).lower()}"])
 
 
 def run_plan(ctx: RunContext, plan) -> Outcome:
@@ -237,7 +245,7 @@ class Limit:
     last_op: tuple  # (op, end): the last compute op on the critical worker
     busy: float  # compute seconds of the critical worker before its step
     allreduce: tuple | None  # (stage, start, end) of the all-reduce its step waits for, or None
-    allreduce_input: tuple | None  # (op, worker, end): the weight gradient that starts that all-reduce
+    allreduce_input: tuple | None  # (op, worker, end): its last weight gradient (which starts it without overlap)
     step: tuple  # (start, end) of its optimizer step
     also: tuple = ()  # other workers whose span is the period too
 
@@ -263,8 +271,11 @@ class Limit:
             text += (f"; its step waits {(a1 - end) * 1e3:.1f} ms for the stage {st} all-reduce "
                      f"({at(a0)} to {at(a1)} ms, {(a1 - a0) * 1e3:.1f} ms")
             if self.allreduce_input is not None:
-                src_op, src_w, _ = self.allreduce_input
-                text += f", started by {_op(src_op)} on ({src_w // pp},{src_w % pp})"
+                src_op, src_w, src_end = self.allreduce_input
+                # with train.overlap_grad_reduce the row is drawn as the all-reduce's length ending
+                # when it ends, so it may begin before its last input ends
+                how = "started by" if src_end <= a0 + 1e-12 else "overlapping"
+                text += f", {how} {_op(src_op)} on ({src_w // pp},{src_w % pp})"
             text += ")"
         elif self.allreduce is not None:
             text += f"; the stage {self.allreduce[0]} all-reduce is over by then: its own compute binds"
@@ -309,8 +320,9 @@ def staggering_limit(result: SimResult, pp: int) -> Limit:
         node, a0, a1 = max(mine, key=lambda r: r[2])
         allreduce = (node.stage, a0, a1)
         holders = set(node.holders)
+        # its inputs all end by its end (by its start without overlap: the same one either way)
         grads = [(op, v, e) for v, op, _, e in result.ops
-                 if op.kind in (W, BW) and (op.pipeline, op.stage) in holders and e <= a0 + 1e-12]
+                 if op.kind in (W, BW) and (op.pipeline, op.stage) in holders and e <= a1 + 1e-12]
         if grads:
             allreduce_input = max(grads, key=lambda r: r[2])
     also = tuple(v for v in sorted(spans) if v != w and spans[v] >= spans[w] - 1e-6 * spans[w])
@@ -455,19 +467,34 @@ def gantt(cell: Cell, positions, out: str) -> Path:
                        o.result.timeline()))
     s = cell.setup
     return plot_gantt_panels(panels, out, title=f"ReCycle levels, {s.model}, pp {s.pp} x dp {cell.dp}, "
-                                                f"{s.microbatches} micro-batches, {positions_label(positions)} failed")
+                                                f"{s.microbatches} micro-batches, {positions_label(positions)} failed"
+                                                + (", all-reduce overlapped" if s.overlap else ""))
 
 
 # -- main ------------------------------------------------------------------------------------
+
+def overlap_note(overlap: bool) -> str:
+    return ("Gradient all-reduce overlapped with the last micro-batch's backward, in per-layer buckets "
+            "(train.overlap_grad_reduce=true)." if overlap else
+            "Gradient all-reduce after the last micro-batch's backward (train.overlap_grad_reduce=false; "
+            "--overlap for the overlapped one).")
+
+
+def gantt_out(args) -> str:
+    if args.out is not None:
+        return args.out
+    return "runs/recycle-ablation-overlap.png" if args.overlap else "runs/recycle-ablation.png"
+
 
 def full(args) -> None:
     dps = QUICK_DPS if args.quick else DPS
     failure_sets = [list(p) for p in FAILURE_SETS.values()]
     began = time.perf_counter()
     cells = []
-    total = len(SETUPS) * len(dps) * len(LEVELS)
+    setups = [dataclasses.replace(s, overlap=args.overlap) for s in SETUPS]
+    total = len(setups) * len(dps) * len(LEVELS)
     done = 0
-    for setup in SETUPS:
+    for setup in setups:
         for dp in dps:
             def progress(level, setup=setup, dp=dp):
                 nonlocal done
@@ -483,6 +510,7 @@ def full(args) -> None:
                                  for s in SETUPS) + f"; dp {', '.join(map(str, dps))}"
           + (" (--quick: dp 8 left out)" if args.quick else "") + ".")
     print("Failed workers (pipeline, stage): (0,1); then (0,1)+(1,2), two stages in two pipelines.")
+    print(overlap_note(args.overlap))
     print("(a) = throughput change vs 1F1B fault-free (what ReCycle runs with no failure, = strategy none); "
           "(b) = vs the level's own planned fault-free plan (strategy.fault_free=planned).")
     print("Dropping the pipelines: the failed workers' pipelines are removed and the others carry the global "
@@ -499,16 +527,18 @@ def full(args) -> None:
             print(f"\n{s.model} on {s.hardware}, pp {s.pp} x dp {cell.dp}, {s.microbatches} micro-batches per "
                   f"pipeline ({cell.global_batch} samples per iteration)\n")
             print(cell_table(cell, failure_sets))
-    chart = next((c for c in cells if c.setup == GANTT_SETUP and c.dp == GANTT_DP), None)
+    chart = next((c for c in cells if dataclasses.replace(c.setup, overlap=False) == GANTT_SETUP
+                  and c.dp == GANTT_DP), None)
     if chart is not None:
-        out = gantt(chart, failure_sets[GANTT_FAILURES - 1], args.out)
+        out = gantt(chart, failure_sets[GANTT_FAILURES - 1], gantt_out(args))
         print(f"\nGantt ({GANTT_SETUP.model}, dp {GANTT_DP}, {positions_label(failure_sets[GANTT_FAILURES - 1])} "
               f"failed): {out}")
     print(f"({time.perf_counter() - began:.1f} s)")
 
 
 def single(args) -> None:
-    setup = Setup(args.model or "gpt3-medium", args.hardware or "a100-40gb", args.pp or 4, args.microbatches or 8)
+    setup = Setup(args.model or "gpt3-medium", args.hardware or "a100-40gb", args.pp or 4, args.microbatches or 8,
+                  overlap=args.overlap)
     dp = args.dp or 4
     stages = [int(s) for s in (args.stages or "1,2").split(",") if s.strip()]
     if dp < 2:
@@ -523,11 +553,12 @@ def single(args) -> None:
     print(file=sys.stderr, flush=True)
     print(f"ReCycle ablation: {setup.model} on {setup.hardware}, pp {setup.pp} x dp {dp}, "
           f"{setup.microbatches} micro-batches per pipeline ({cell.global_batch} samples per iteration)")
-    print("throughput change in % (same global batch everywhere), negative = loss\n")
+    print("throughput change in % (same global batch everywhere), negative = loss")
+    print(overlap_note(args.overlap) + "\n")
     print(cell_table(cell, failure_sets))
     print("\nWhat limits staggering:")
     print(limits_text([cell], failure_sets))
-    out = gantt(cell, failure_sets[0], args.out)
+    out = gantt(cell, failure_sets[0], gantt_out(args))
     print(f"\nGantt: {out}   ({time.perf_counter() - began:.1f} s)")
 
 
@@ -543,7 +574,11 @@ def main() -> None:
     ap.add_argument("--hardware", help="single setup: hardware (default a100-40gb)")
     ap.add_argument("--stages", help="single setup: stages whose worker in pipeline 0 fails, one at a time "
                                      "(comma-separated; default 1,2)")
-    ap.add_argument("--out", default="runs/recycle-ablation.png", help="Gantt of the three levels")
+    ap.add_argument("--overlap", action="store_true",
+                    help="overlap each gradient all-reduce with the last micro-batch's backward "
+                         "(train.overlap_grad_reduce=true; default: after it)")
+    ap.add_argument("--out", default=None, help="Gantt of the three levels (default runs/recycle-ablation.png, "
+                                                "with --overlap runs/recycle-ablation-overlap.png)")
     args = ap.parse_args()
     one = any(v is not None for v in (args.dp, args.pp, args.microbatches, args.model, args.hardware, args.stages))
     if one and (args.full or args.quick):

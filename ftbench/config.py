@@ -72,6 +72,7 @@ class TrainConfig:
     data: str = "synthetic"  # synthetic (seeded token stream) | text (a local file, byte-level tokens); local/dist
     data_path: Optional[str] = None  # text: the file to read
     recompute: str = "none"  # activation recomputation: none | full (stash only each stage's input; re-run F before the backward)
+    overlap_grad_reduce: bool = False  # all-reduce gradients in per-layer buckets during the last micro-batch's backward (Megatron's --overlap-grad-reduce); false: after it (DeepSpeed)
 
 
 @dataclass

@@ -41,6 +41,7 @@ class RunContext:
     seed: int
     node_mtbf_hours: float | None = None  # failures.mtbf_hours (Poisson failures), for checkpoint-interval rules
     recompute: str = "none"  # train.recompute: none | full (activation recomputation; costs and the local engine)
+    overlap_grad_reduce: bool = False  # train.overlap_grad_reduce: the cost model's all-reduce overlap (simulated timings)
 
     @classmethod
     def from_config(cls, cfg) -> "RunContext":
@@ -66,11 +67,13 @@ class RunContext:
         microbatches, global_batch = _batch(t, cfg.cluster.dp)
         hardware = _plain(cfg.hardware)  # the cost model reads it in hot loops: no DictConfig there
         return cls(spec=spec, hardware=hardware,
-                   cost_model=CostModel(spec, hardware, t.microbatch_size, seq_len, t.recompute),
+                   cost_model=CostModel(spec, hardware, t.microbatch_size, seq_len, t.recompute,
+                                        bool(t.overlap_grad_reduce)),
                    backend=cfg.backend.name, schedule_name=cfg.schedule.name,
                    microbatches=microbatches, microbatch_size=t.microbatch_size, seq_len=seq_len,
                    global_batch=global_batch, iterations=t.iterations, max_hours=t.max_hours,
-                   seed=cfg.seed, node_mtbf_hours=cfg.failures.mtbf_hours, recompute=t.recompute)
+                   seed=cfg.seed, node_mtbf_hours=cfg.failures.mtbf_hours, recompute=t.recompute,
+                   overlap_grad_reduce=bool(t.overlap_grad_reduce))
 
     def grid_plan(self, pp: int, dp: int, gpus_per_node: int = 1, schedule: str | None = None, node_of=None) -> Plan:
         """The regular grid under the configured (or given) schedule, layers balanced over stages.

@@ -10,8 +10,12 @@ activations (Korthikanti et al. 2022). Activation recomputation (`train.recomput
 stashes every activation from F to the backward; `full` stashes only each stage's input per
 micro-batch and re-runs the stage's forward right before its backward, so B (and BW) take
 one more forward and the full activations of one micro-batch live only while its backward
-runs (`StageCost.recompute_bytes`). Not modelled: allocator fragmentation, the CUDA context,
-tensor parallelism.
+runs (`StageCost.recompute_bytes`). Gradient all-reduce overlap (`train.overlap_grad_reduce`,
+as Megatron-LM's --overlap-grad-reduce): off (the default, DeepSpeed's pipeline engine, the
+ReCycle paper's baseline), a layer fragment's all-reduce starts after its last weight gradient;
+on, it runs in per-layer buckets while the last micro-batch's backward produces them
+(ftbench.sim.simulator.overlapped_sync_s has the formula). Not modelled: allocator
+fragmentation, the CUDA context, tensor parallelism.
 """
 from __future__ import annotations
 
@@ -43,18 +47,22 @@ class StageCost:
 
 class CostModel:
     def __init__(self, spec: ModelSpec, hardware, microbatch_size: int, seq_len: int,
-                 recompute: str = "none"):
+                 recompute: str = "none", overlap_grad_reduce: bool = False):
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.spec, self.hw = spec, hardware
         self.b, self.s = microbatch_size, seq_len
         self.recompute = recompute
+        # train.overlap_grad_reduce: all-reduce gradients in per-layer buckets during the last
+        # micro-batch's backward (the simulator reads it off PlanCosts; see the module docstring)
+        self.overlap_grad_reduce = bool(overlap_grad_reduce)
         self.flop_rate = hardware.peak_tflops * 1e12 * hardware.efficiency
 
     def key(self) -> tuple:
         hw = self.hw
         return (self.spec, self.b, self.s, hw.peak_tflops, hw.efficiency, hw.hbm_gbps,
-                hw.intra_node_gbps, hw.inter_node_gbps, hw.link_latency_us, hw.memory_gb, self.recompute)
+                hw.intra_node_gbps, hw.inter_node_gbps, hw.link_latency_us, hw.memory_gb, self.recompute,
+                self.overlap_grad_reduce)
 
     # -- compute ------------------------------------------------------------------------
     @lru_cache(maxsize=None)
@@ -166,6 +174,12 @@ class PlanCosts:
     def key(self) -> tuple:
         return (self.model.key(), self.plan.key())
 
+    @property
+    def overlap_grad_reduce(self) -> bool:
+        """train.overlap_grad_reduce: the simulator overlaps each fragment's all-reduce with the
+        last micro-batch's backward, in one bucket per layer unit of the fragment."""
+        return self.model.overlap_grad_reduce
+
     def _stage(self, pipeline: int, stage: int) -> StageCost:
         cost = self._stages.get((pipeline, stage))
         if cost is None:
@@ -243,9 +257,11 @@ class PlanCosts:
         dp = len(workers) // run
         if len(plan.partition) < dp:
             return None
-        held = list(map(plan.holds.get, workers))
-        if held != [((d, s),) for d in range(dp) for s in range(run)]:
-            return None
+        grid = plan.grid()  # built as a grid over these workers in this order: its holds are so (plan.GridLayout)
+        if grid is None or grid.pp != run or grid.workers != workers:
+            held = list(map(plan.holds.get, workers))
+            if held != [((d, s),) for d in range(dp) for s in range(run)]:
+                return None
         nodes = list(map(plan.node_of.__getitem__, workers))
         same = [a == b for a, b in zip(nodes, nodes[1:])]
         own = self._own

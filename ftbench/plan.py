@@ -9,10 +9,25 @@ from array import array
 from collections import defaultdict
 from itertools import chain
 from dataclasses import dataclass, field
+from functools import lru_cache
 
-from ftbench.schedule import OPT, GridOps, Schedule, grid_worker
+from ftbench.schedule import OPT, GridOps, Schedule, generate, grid_worker
 
 LayerRange = tuple[int, int]  # [first, end) transformer blocks
+
+
+@dataclass(eq=False)
+class GridLayout:
+    """A plan that is the regular pp x dp grid: `workers[i]` keeps exactly the replica
+    (i // pp, i % pp) and `holds` lists them in that order; every pipeline has pp stages,
+    all cut alike. At scale a plan has tens of thousands of workers and strategies make one
+    after every failure, so per-plan figures (bytes per worker or node, keys, the stage a
+    worker kept) are computed from this, per stage, without a Python loop per worker."""
+    pp: int
+    workers: list[int]  # in grid order
+    holds: dict  # the objects it describes (Plan.grid checks they are still the plan's)
+    partition: tuple
+    stages: tuple[int, ...]
 
 
 @dataclass
@@ -24,10 +39,21 @@ class Plan:
     name: str = ""
     staggered_optimizer: bool = False  # no barrier between iterations (ReCycle): the sim times the steady state
     _key: tuple | None = field(default=None, repr=False, compare=False)
+    _grid: GridLayout | None = field(default=None, repr=False, compare=False)  # see grid()
 
     @property
     def workers(self) -> list[int]:
         return self.schedule.workers
+
+    def grid(self) -> GridLayout | None:
+        """The regular grid this plan was built as (grid_plan), for figures computed per stage
+        instead of per worker; None for any other plan, or once its holds, partition or stage
+        counts were replaced (dataclasses.replace)."""
+        g = self._grid
+        if g is None or g.holds is not self.holds or g.partition is not self.partition \
+                or g.stages is not self.schedule.stages:
+            return None
+        return g
 
     def layers(self, pipeline: int, stage: int) -> LayerRange:
         return self.partition[pipeline][stage]
@@ -60,8 +86,10 @@ class Plan:
         """Hashable identity (the simulator memoises per key). The per-worker parts are packed
         into bytes: exact, and small next to thousands of tuples."""
         if self._key is None:
-            self._key = (self.schedule.key(), self.partition, _pack_holds(self.holds), _pack_nodes(self.node_of),
-                         self.staggered_optimizer)
+            grid = self.grid()
+            holds = _pack_grid_holds(grid) if grid is not None else None
+            self._key = (self.schedule.key(), self.partition, holds or _pack_holds(self.holds),
+                         _pack_nodes(self.node_of), self.staggered_optimizer)
         return self._key
 
 
@@ -90,6 +118,70 @@ def _pack_holds(holds: dict) -> bytes | tuple:
                                  array("q", chain.from_iterable(chain.from_iterable(holds.values()))).tobytes()))
     except (TypeError, OverflowError):
         return tuple(holds.items())
+
+
+def _pack_grid_holds(grid: GridLayout) -> bytes | None:
+    """_pack_holds(grid.holds) when the grid's workers are in increasing order (then its
+    holds are already by worker, and their replicas are (0, 0), (0, 1), ...), from the
+    shared tables; None otherwise."""
+    workers = grid.workers
+    if workers != sorted(workers):
+        return None
+    n = len(workers)
+    try:
+        ids = array("q", workers).tobytes()
+    except (TypeError, OverflowError):
+        return None
+    return b"h" + b"|".join((array("q", [n]).tobytes(), ids, (array("q", [1]) * n).tobytes(),
+                             _grid_tables(grid.pp, n // grid.pp)[1][:16 * n]))
+
+
+# Per pp, the grid's replicas in grid order, as far as the largest dp asked for so far: the
+# tuples are shared by every grid plan, so none is built (nor freed) per plan and worker.
+_REPLICAS: dict[int, list[tuple[tuple[int, int]]]] = {}  # pp -> ((d, s),) in grid order
+_PAIRS: dict[int, bytes] = {}  # pp -> d, s in grid order, as _pack_holds packs them
+# Per pipeline's row of template ids, its records (template id, pipeline) in grid order.
+_RECORDS: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+
+
+def _grid_tables(pp: int, dp: int) -> tuple[list, bytes]:
+    """(_REPLICAS[pp], _PAIRS[pp]), extended to at least dp pipelines."""
+    replicas = _REPLICAS.setdefault(pp, [])
+    have = len(replicas) // pp
+    if have < dp:
+        replicas.extend(((d, s),) for d in range(have, dp) for s in range(pp))
+        _PAIRS[pp] = array("q", chain.from_iterable(chain.from_iterable(replicas))).tobytes()
+    return replicas, _PAIRS[pp]
+
+
+def _records(row: tuple[int, ...], first: int, end: int) -> list[tuple[int, int]]:
+    """The records of pipelines first..end-1 whose workers run the templates `row`."""
+    records = _RECORDS.setdefault(row, [])
+    have = len(records) // len(row)
+    if have < end:
+        records.extend((tid, d) for d in range(have, end) for tid in row)
+    return records[first * len(row):end * len(row)]
+
+
+@lru_cache(maxsize=64)
+def _template_rows(generator: str, pp: int, counts: tuple[int, ...]) -> tuple[Schedule, dict] | None:
+    """generate(generator, pp, counts, len(counts)), one pipeline per distinct micro-batch
+    count, and count -> the template ids its pipeline's workers run (in stage order); None
+    unless it is a generated grid in which the worker at place s steps exactly stage s."""
+    one = generate(generator, pp, counts, len(counts))
+    ops = one.ops
+    if not isinstance(ops, GridOps) or ops.regular() != pp or len(ops.of) != pp * len(counts):
+        return None
+    if list(holds_from_schedule(one).values()) != _grid_tables(pp, len(counts))[0][:pp * len(counts)]:
+        return None
+    records = list(ops.of.values())
+    rows = {}
+    for k, count in enumerate(counts):
+        run = records[k * pp:(k + 1) * pp]
+        if any(d != k for _, d in run):
+            return None
+        rows[count] = tuple(tid for tid, _ in run)
+    return one, rows
 
 
 def holds_from_schedule(schedule: Schedule) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -124,16 +216,53 @@ def grid_plan(schedule: Schedule, stage_layers: tuple[LayerRange, ...], pp: int,
         ops = ops.renamed(to) if isinstance(ops, GridOps) else {to[w]: o for w, o in ops.items()}
         schedule = Schedule(ops, schedule.stages, schedule.microbatches, schedule.name)
     placed = range(dp * pp) if workers is None else workers[:dp * pp]  # in grid order
-    return Plan(schedule=schedule, partition=(stage_layers,) * dp,
-                holds=holds_from_schedule(schedule),
+    partition, holds = (stage_layers,) * dp, holds_from_schedule(schedule)
+    grid = None
+    if dp and schedule.stages.count(pp) == dp and list(holds.values()) == _grid_tables(pp, dp)[0][:dp * pp]:
+        grid = GridLayout(pp, list(holds), holds, partition, schedule.stages)
+    return Plan(schedule=schedule, partition=partition, holds=holds,
                 node_of={w: node_of(w) for w in placed} if node_of else {w: w // gpus_per_node for w in placed},
-                name=name or schedule.name)
+                name=name or schedule.name, _grid=grid)
+
+
+def generated_grid_plan(generator: str, pp: int, microbatches: tuple[int, ...], stage_layers: tuple[LayerRange, ...],
+                        workers: list[int], node_of) -> Plan:
+    """grid_plan(generate(generator, pp, microbatches, dp), stage_layers, pp, ..., node_of=node_of,
+    workers=workers), dp = len(microbatches), built without a Python loop per worker (Elastic
+    Horovod and Varuna place tens of thousands after every failure at scale): the templates
+    come from one pipeline per distinct micro-batch count, and every pipeline's records and
+    replicas are slices of tables shared by all plans."""
+    dp, counts = len(microbatches), tuple(microbatches)
+    placed = list(workers[:dp * pp])
+    kinds = tuple(sorted(set(counts)))
+    known = _template_rows(generator, pp, kinds) if kinds and kinds[0] >= 1 else None
+    holds = dict(zip(placed, _grid_tables(pp, dp)[0])) if known is not None else {}
+    if known is None or len(holds) < dp * pp:  # (too few workers, or one named twice): as grid_plan has it
+        return grid_plan(generate(generator, pp, counts, dp), stage_layers, pp, 1, node_of=node_of, workers=workers)
+    one, rows = known
+    first = 0  # pipelines with equal counts in a row share one slice of records
+    runs = []
+    for d in range(1, dp + 1):
+        if d == dp or counts[d] != counts[first]:
+            runs.append(_records(rows[counts[first]], first, d))
+            first = d
+    schedule = Schedule(GridOps(one.ops.templates, dict(zip(placed, chain.from_iterable(runs))), run=pp),
+                        stages=(pp,) * dp, microbatches=counts, name=one.name)
+    partition = (stage_layers,) * dp
+    return Plan(schedule=schedule, partition=partition, holds=holds, node_of={w: node_of(w) for w in placed},
+                name=schedule.name, _grid=GridLayout(pp, placed, holds, partition, schedule.stages))
 
 
 def checkpoint_writers(plan: Plan) -> dict[int, int]:
     """stage -> the worker that writes its shard: one replica per stage, taken from a
     different pipeline for each stage so the writes spread over nodes (as distributed
     checkpointing does) instead of all landing on pipeline 0's nodes."""
+    grid = plan.grid()
+    if grid is not None and grid.workers == sorted(grid.workers):
+        # stage s is held by workers[d * pp + s], d = 0, 1, ..., already in worker order
+        pp, workers = grid.pp, grid.workers
+        dp = len(workers) // pp
+        return {stage: workers[stage % dp * pp + stage] for stage in range(pp)}
     holders: dict[int, list[int]] = defaultdict(list)
     for w in sorted(plan.holds):
         for _, stage in plan.holds[w]:

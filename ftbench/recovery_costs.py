@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from itertools import cycle
 
 from ftbench.actions import (FILE, MEMORY, SNAPSHOT, Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint,
                              SyncFromPeers, WaitForReplacement)
@@ -54,6 +55,22 @@ def _replica_bytes(plan: Plan, cost_model) -> dict[int, float]:
     return memo[key]
 
 
+def _grid_replica_bytes(plan: Plan, cost_model) -> list[float] | None:
+    """On a grid (Plan.grid), the bytes a worker of each stage holds, as _replica_bytes has
+    them (one replica, added to 0.0); None for other plans. Every pipeline cuts the layers
+    alike, so a worker's bytes depend only on its stage: pp figures instead of one per worker."""
+    grid = plan.grid()
+    if grid is None:
+        return None
+    return [0.0 + _stage_bytes(plan, 0, stage, cost_model) for stage in range(grid.pp)]
+
+
+def _most_replica_bytes(plan: Plan, cost_model) -> float:
+    """max(_replica_bytes(plan).values()): on a grid, the largest stage's (every stage is held)."""
+    per_stage = _grid_replica_bytes(plan, cost_model)
+    return max(per_stage) if per_stage is not None else max(_replica_bytes(plan, cost_model).values())
+
+
 def _writer_node_bytes(plan: Plan, cost_model) -> dict[int, float]:
     """Bytes each node writes when one replica per stage saves."""
     out = defaultdict(float)
@@ -64,9 +81,14 @@ def _writer_node_bytes(plan: Plan, cost_model) -> dict[int, float]:
 
 
 def _node_bytes(plan: Plan, cost_model) -> dict[int, float]:
+    per_stage = _grid_replica_bytes(plan, cost_model)
+    if per_stage is None:
+        pairs = ((plan.node_of[w], nbytes) for w, nbytes in _replica_bytes(plan, cost_model).items())
+    else:  # the same additions in the same order, each worker's bytes taken per stage
+        pairs = zip(map(plan.node_of.__getitem__, plan.grid().workers), cycle(per_stage))
     out = defaultdict(float)
-    for w, nbytes in _replica_bytes(plan, cost_model).items():
-        out[plan.node_of[w]] += nbytes
+    for node, nbytes in pairs:
+        out[node] += nbytes
     return out
 
 
@@ -76,10 +98,10 @@ def save_cost(mode: str, plan: Plan, cost_model) -> SaveCost:
     if mode == FILE:
         return SaveCost(max(_writer_node_bytes(plan, cost_model).values()) / storage, 0.0)
     if mode == SNAPSHOT:
-        copy = max(_replica_bytes(plan, cost_model).values()) / (hw.host_gbps * 1e9)
+        copy = _most_replica_bytes(plan, cost_model) / (hw.host_gbps * 1e9)
         return SaveCost(copy, max(_writer_node_bytes(plan, cost_model).values()) / storage)
     if mode == MEMORY:  # every worker copies its own state
-        return SaveCost(max(_replica_bytes(plan, cost_model).values()) / (hw.host_gbps * 1e9), 0.0)
+        return SaveCost(_most_replica_bytes(plan, cost_model) / (hw.host_gbps * 1e9), 0.0)
     raise ValueError(f"unknown checkpoint mode {mode!r}")
 
 
@@ -98,7 +120,7 @@ def action_seconds(action, old: Plan, new: Plan, cost_model) -> float:
     if isinstance(action, RestoreCheckpoint):
         if action.source == MEMORY:
             # Each worker copies its commit back; one taking a new place gets a peer's commit.
-            seconds = max(_replica_bytes(new, cost_model).values()) / (hw.host_gbps * 1e9)
+            seconds = _most_replica_bytes(new, cost_model) / (hw.host_gbps * 1e9)
             return seconds + _copies_s(action.copies, old, new, cost_model)
         return max(_node_bytes(new, cost_model).values()) / (hw.storage_gbps * 1e9)
     if isinstance(action, SyncFromPeers):

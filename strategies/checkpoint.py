@@ -15,8 +15,7 @@ from ftbench.actions import FILE, RestartJob, RestoreCheckpoint
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
-from ftbench.plan import Plan, grid_plan
-from ftbench.schedule import generate
+from ftbench.plan import Plan, generated_grid_plan
 from ftbench.strategies.base import Recovery
 
 
@@ -82,10 +81,9 @@ class CheckpointRestart:
         """ctx.grid_plan(pp, dp, gpus_per_node).on_workers(workers, cluster.node_of), built in
         one go (thousands of workers after each failure at scale)."""
         ctx = self.ctx
-        schedule = generate(ctx.schedule_name, pp, ctx.split_microbatches(dp), dp)
         nodes = self.worker_nodes(cluster)  # cluster.node_of, looked up
-        return grid_plan(schedule, ctx.cost_model.balanced_partition(pp), pp, cluster.gpus_per_node,
-                         node_of=nodes.__getitem__, workers=workers)
+        return generated_grid_plan(ctx.schedule_name, pp, ctx.split_microbatches(dp),
+                                   ctx.cost_model.balanced_partition(pp), workers, nodes.__getitem__)
 
     def alive_workers(self, cluster: Cluster) -> list[int]:
         """Workers on live nodes, in id order."""

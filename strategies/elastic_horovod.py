@@ -12,6 +12,8 @@ rolled back.
 """
 from __future__ import annotations
 
+from itertools import cycle
+
 from ftbench.actions import MEMORY, Rendezvous, RestoreCheckpoint, SyncFromPeers
 from ftbench.cluster import Cluster
 from ftbench.failures import FailureEvent
@@ -93,8 +95,15 @@ def _keeps_stages(old: Plan, new: Plan, up: set[int]) -> bool:
     if len(stages) != 1:
         return False
     cut = old.partition[0]
-    if not all(p is cut or p == cut for plan in (old, new) for p in plan.partition):
+    if any(plan.partition.count(cut) != len(plan.partition) for plan in (old, new)):  # each p is cut or == cut
         return False
+    was, now = old.grid(), new.grid()
+    if was is not None and now is not None:
+        # Grids: a worker keeps one replica, of the stage its place gives (its index mod pp),
+        # so compare stages place by place without a Python loop over the workers.
+        pp, workers = now.pp, now.workers
+        stage_before = dict(zip(was.workers, cycle(range(pp))))
+        return up.issuperset(workers) and list(map(stage_before.get, workers)) == list(range(pp)) * (len(workers) // pp)
     before = old.holds
     for w, held in new.holds.items():
         had = before.get(w)

@@ -95,7 +95,7 @@ def test_semantic_errors_name_the_setting_and_the_fix(overrides, setting):
     (["cluster.nodes=3"], "cluster.nodes"),  # pp*dp = 8 workers need 8 nodes
     (["failures=trace", "failures.path=6h.csv"], "failures.path"),  # 30 nodes in the trace, 8 in the cluster
     (["strategy.name=nosuch"], "strategy"),
-    (["backend=dist", "failures=scripted", "failures.events=[{iteration:1,node:1}]"], "failures"),  # dist: no failures yet
+    (["backend=dist", "failures=poisson", "failures.mtbf_hours=1"], "failures"),  # dist: scripted failures only
 ])
 def test_run_level_errors_become_an_error_status(run_config, overrides, setting):
     s = run_config(*overrides)

@@ -178,11 +178,14 @@ def _schedule_part(problem, priority: dict[str, int]):
 
 
 def _iteration_time(problem: PlanningProblem, last_grad: dict[int, float], free: dict[Position, float]) -> float:
-    """Each stage's all-reduce starts after its last weight gradient anywhere; a worker steps
-    after that and its own last op (ftbench.sim.simulator's rules, without simulating again)."""
+    """Each stage's all-reduce ends problem.sync_s(s) after its last weight gradient anywhere
+    (all of it without overlap; with train.overlap_grad_reduce what is left after that W/BW,
+    the simulator's overlapped_sync_s: every W/BW of a stage lasts the same, so the latest
+    binds); a worker steps after that and its own last op (ftbench.sim.simulator's rules,
+    without simulating again)."""
     time = 0.0
     for pos in problem.workers:
         s = pos[1]
-        sync = last_grad[s] + (problem.stages[s].allreduce_s if len(problem.survivors(s)) > 1 else 0.0)
+        sync = last_grad[s] + problem.sync_s(s)
         time = max(time, max(free[pos], sync) + problem.stages[s].optimizer_s)
     return time

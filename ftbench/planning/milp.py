@@ -21,7 +21,12 @@ as early as they can. As a mixed-integer program:
   optimizer step ending at E_ds = max(G_s + allreduce_s, its last op's end) + optimizer_s
   (the all-reduce is free with one survivor, as in ProblemCosts), and C >= every E_ds. A
   worker's last op is a W or BW, so E_ds = G_s + allreduce_s + optimizer_s for all its
-  survivors: one constraint per stage;
+  survivors: one constraint per stage. With train.overlap_grad_reduce the all-reduce runs
+  in buckets during the last W/BW and ends at max over the stage's W/BW ops o of
+  end_o + c_o, c_o = overlapped_sync_s(allreduce_s, units, d_o) (ftbench.sim.simulator):
+  a finish F_s >= end_o + c_o for every o. Every W/BW of a stage has the same d_o, so c_o
+  is one constant c_s and F_s = G_s + c_s: the same constraint with c_s in place of
+  allreduce_s (PlanningProblem.sync_s gives either);
 - minimise C.
 
 These are the simulator's semantics (ftbench.sim.simulator) with "as soon as possible"
@@ -197,10 +202,10 @@ class _Model:
         return _RANK[a.kind] < _RANK[b.kind] and a.microbatch <= b.microbatch
 
     def _tail_base(self, op: Op) -> float:
-        """From the end of a W/BW to C at least: the all-reduce (free with one survivor), then the optimizer."""
-        t = self.p.stages[op.stage]
-        ar = t.allreduce_s if len(self.p.survivors(op.stage)) > 1 else 0.0
-        return (ar + t.optimizer_s) / self.unit
+        """From the end of an op to C at least: what follows the stage's last W/BW (which ends
+        no earlier): the all-reduce (free with one survivor; with overlap what is left of it,
+        PlanningProblem.sync_s), then the optimizer."""
+        return (self.p.sync_s(op.stage) + self.p.stages[op.stage].optimizer_s) / self.unit
 
     def _bounds(self) -> None:
         """head(o): earliest start of o; tail(o): least time from its end to C. Longest paths
@@ -315,9 +320,8 @@ class _Model:
                 m += self.G[a.stage] >= self.S[a] + dur[a] + pulp.lpSum(dur[b] * self.order_expr(a, b) for b in others)
                 m += self.S[a] >= start + pulp.lpSum(dur[b] * self.order_expr(b, a) for b in others)
         for s in range(p.pp):
-            t = p.stages[s]
-            ar = t.allreduce_s if len(p.survivors(s)) > 1 else 0.0
-            m += self.C >= self.G[s] + (ar + t.optimizer_s) / self.unit  # E_ds >= G_s + AR + opt
+            # E_ds >= G_s + AR + opt (with overlap: F_s = G_s + c_s, see the module docstring)
+            m += self.C >= self.G[s] + (p.sync_s(s) + p.stages[s].optimizer_s) / self.unit
         self.binaries = len(self.x)
         self.constraints = m.numConstraints()
 

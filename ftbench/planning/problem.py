@@ -8,7 +8,10 @@ round-robin); the planners (list-scheduling heuristic, MILP) decide each worker'
 
 The timing semantics are the simulator's (ftbench.sim.simulator): an op starts when its
 worker is free and every input has arrived (producer end + transfer between workers); the
-optimizer step of a stage follows the all-reduce over the survivors of that stage.
+optimizer step of a stage follows the all-reduce over the survivors of that stage. With
+`overlap_grad_reduce` (train.overlap_grad_reduce) that all-reduce runs in one bucket per
+layer unit of the stage during its last weight-gradient op, and ends `sync_s(stage)` after
+that op (ftbench.sim.simulator.overlapped_sync_s).
 """
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
+from ftbench.layers import stage_units
 from ftbench.placement import node_of
 from ftbench.schedule import B, BW, F, NO_MICROBATCH, OPT, W, Op, Schedule, grid_worker
+from ftbench.sim.simulator import overlapped_sync_s
 
 Position = tuple[int, int]  # (pipeline, stage) on the grid
 
@@ -47,6 +52,9 @@ class StageTimes:
     activation_bytes: float = 0.0
     weight_stash_bytes: float = 0.0
     recompute_bytes: float = 0.0
+    # Layer units the stage holds (ftbench.layers): its all-reduce's buckets under overlap.
+    # Part of the plan key only with overlap_grad_reduce (keys without it stay as they were).
+    units: int = 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class PlanningProblem:
     gpus_per_node: int = 1
     placement: str = "pipeline"  # ftbench.placement: which node holds each position
     memory_bytes: float = math.inf  # one GPU's memory: the stash caps follow from it
+    overlap_grad_reduce: bool = False  # train.overlap_grad_reduce: all-reduce in buckets during the last backward
 
     def __post_init__(self):
         object.__setattr__(self, "failed", frozenset(tuple(p) for p in self.failed))
@@ -188,6 +197,19 @@ class PlanningProblem:
             out[(e, s)] += [Op(kind, s, k, d) for kind in kinds]
         return out
 
+    def sync_s(self, stage: int) -> float:
+        """Seconds from the end of a stage's last weight-gradient op (W, or BW fused) to the end
+        of its all-reduce: the all-reduce (free with one survivor, as in ProblemCosts), or with
+        overlap_grad_reduce what is left of it after that op, overlapped_sync_s(a, units, t)
+        (every W/BW of a stage lasts the same t, so the latest one binds: the simulator's max
+        over inputs of end + overlapped_sync_s is the latest end plus this)."""
+        t = self.stages[stage]
+        a = t.allreduce_s if len(self.survivors(stage)) > 1 else 0.0
+        if not self.overlap_grad_reduce:
+            return a
+        back = t.backward_weight_s if self.decoupled else t.backward_input_s + t.backward_weight_s
+        return overlapped_sync_s(a, t.units, back)
+
     def duration(self, op: Op) -> float:
         t = self.stages[op.stage]
         return {F: t.forward_s, B: t.backward_input_s, W: t.backward_weight_s,
@@ -222,6 +244,10 @@ class PlanningProblem:
         data = asdict(self)
         if data["placement"] == "pipeline":
             del data["placement"]  # keys from before placement was a setting stay valid
+        if not data["overlap_grad_reduce"]:  # likewise keys from before overlap was a setting
+            del data["overlap_grad_reduce"]
+            for stage in data["stages"]:
+                del stage["units"]
         data["failed"] = sorted(self.failed)
         data["version"] = PLANNER_VERSION
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:24]
@@ -285,6 +311,15 @@ class ProblemCosts:
     def allreduce_time(self, stage: int, pipeline: int, workers) -> float:
         return self.problem.stages[stage].allreduce_s if len(set(workers)) > 1 else 0.0
 
+    @property
+    def overlap_grad_reduce(self) -> bool:
+        return self.problem.overlap_grad_reduce
+
+    def grad_buckets(self, sync) -> int:
+        """Buckets of a stage's overlapped all-reduce: its layer units (the simulator's syncs
+        here are per stage, without a partition)."""
+        return self.problem.stages[sync.stage].units
+
     def stash_bytes(self, op: Op) -> float:
         return self.problem.stages[op.stage].activation_bytes
 
@@ -314,21 +349,23 @@ def stage_times(cost_model, partition, dp: int) -> tuple[StageTimes, ...]:
     out = []
     for s, layers in enumerate(partition):
         c = cost_model.stage(layers, s == 0, s == pp - 1)
+        lo, hi = stage_units(layers, s == 0, s == pp - 1, partition[-1][1])
         out.append(StageTimes(c.forward_s, c.backward_input_s, c.backward_weight_s,
                               cost_model.optimizer_s(c.params), cost_model.allreduce_s(c.params, dp, False),
                               static_bytes=float(ADAM_STATE_BYTES_PER_PARAM * c.params),
                               activation_bytes=c.activation_bytes, weight_stash_bytes=c.weight_stash_bytes,
-                              recompute_bytes=getattr(c, "recompute_bytes", 0.0)))
+                              recompute_bytes=getattr(c, "recompute_bytes", 0.0), units=hi - lo))
     return tuple(out)
 
 
 def problem_for(ctx, pp: int, dp: int, gpus_per_node: int, failed=frozenset(), decoupled: bool = True,
                 placement: str = "pipeline") -> PlanningProblem:
     """The planning problem of a run's grid (ftbench.context.RunContext) under `failed`, with
-    the GPU's memory from the hardware profile."""
+    the GPU's memory from the hardware profile and the cost model's all-reduce overlap."""
     model = ctx.cost_model
     return PlanningProblem(pp=pp, dp=dp, microbatches=ctx.microbatches,
                            stages=stage_times(model, model.balanced_partition(pp), dp), failed=frozenset(failed),
                            decoupled=decoupled, intra_node_s=model.boundary_s(True),
                            inter_node_s=model.boundary_s(False), gpus_per_node=gpus_per_node, placement=placement,
-                           memory_bytes=model.memory_bytes)
+                           memory_bytes=model.memory_bytes,
+                           overlap_grad_reduce=getattr(model, "overlap_grad_reduce", False))

@@ -65,11 +65,18 @@ class SimBackend:
         return problem
 
     def _check_memory(self, result: SimResult) -> str | None:
-        get = self._peak.get
-        self._peak.update({w: max(get(w, 0.0), peak) for w, peak in result.peak_memory_bytes.items()})
-        worker, peak = max(result.peak_memory_bytes.items(), key=lambda kv: kv[1])
+        peaks, kept = result.peak_memory_bytes, self._peak
+        get = kept.get
+        for w, peak in peaks.items():  # kept[w] = max(kept.get(w, 0.0), peak), written only where it changes
+            old = get(w, 0.0)
+            if peak > old:
+                kept[w] = peak
+            elif w not in kept:
+                kept[w] = old
+        peak = max(peaks.values())
         if peak <= self.ctx.cost_model.memory_bytes:
             return None
+        worker = next(w for w, p in peaks.items() if p == peak)  # the first at the peak, as max(key=) picks
         act = result.peak_activation_bytes[worker]
         hw = self.ctx.hardware
         return (f"out of memory: worker {worker} needs {peak / 1e9:.1f} GB (weights, gradients and Adam state "

@@ -16,6 +16,17 @@ runs; 0 when absent). A costs object
 that knows the plan's layers also has `partition` and sync_time(sync, workers): then the
 all-reduce is cut into layer fragments (ftbench.layers) and each is charged by its own bytes
 and members; without them, stage s of same-length pipelines is one all-reduce.
+
+Gradient all-reduce overlap: `costs.overlap_grad_reduce` (absent: false; the cost model sets
+it from `train.overlap_grad_reduce`, after Megatron-LM's --overlap-grad-reduce). Off, a
+fragment's all-reduce starts when its last input (the last W or fused BW of that fragment,
+on any worker) ends and takes its `a` seconds: DeepSpeed's pipeline engine, which reduces
+after the last micro-batch (the ReCycle paper's baseline). On, the last micro-batch's backward
+hands its gradients to the link bucket by bucket, one per layer unit of the fragment, and the
+all-reduce ends `overlapped_sync_s` after that input (see there; `costs.grad_buckets(sync)`,
+where present, gives the bucket count instead of the fragment's units). Its row in
+`SimResult.allreduces` then starts `a` before it ends: the link's total busy time, drawn
+ending when the gradients are reduced (in the link-bound case exactly the first bucket's start).
 """
 from __future__ import annotations
 
@@ -26,6 +37,30 @@ from ftbench.layers import Layout, fragment_layout, stage_layout
 from ftbench.sim.parts import PartCopy, part_copies
 from ftbench.schedule import (B, BW, F, OPT, W, GradientSync, GridOps, Op, Schedule, dependency_graph, indexed_graph,
                               kahn_order, read_ops, sync_inputs, topological_order)
+
+
+def overlapped_sync_s(allreduce_s: float, buckets: int, backward_s: float) -> float:
+    """Seconds from the end of a fragment's last gradient op to the end of its all-reduce when
+    it overlaps that op (train.overlap_grad_reduce): max(a/n, a - t(n-1)/n) for an all-reduce
+    of `a` seconds cut into n = `buckets` buckets (the fragment's layer units) and an op of
+    t = `backward_s` seconds (the last W or BW).
+
+    Derivation: the op ending at e produces the final gradients of bucket k = 1..n at
+    r_k = e - t + k t/n (evenly over its duration, the last layer first: reverse order is
+    how a backward meets them, and each bucket is then complete); each bucket takes a/n on
+    the link, in order, so bucket k ends at f_k = max(r_k, f_{k-1}) + a/n and
+    f_n = max_k (r_k + (n - k + 1) a/n). That is linear in k, so its maximum is at an end:
+    k = n gives e + a/n (compute-bound, t >= a: only the last bucket remains after the
+    backward), k = 1 gives e - t + t/n + a = e + a - t(n-1)/n (link-bound, t < a: the link
+    runs without a gap from the first layer's gradients on). With n = 1 it is `a`, as
+    without overlap; it is never more than `a` and never less than a/n. With several inputs
+    (one per worker and micro-batch), bucket k is ready when every input's is, so the
+    all-reduce ends at max over inputs j of end_j + overlapped_sync_s(a, n, t_j). Earlier
+    micro-batches' ops on a worker never bind: the worker's last one ends at least t_last
+    after them, and t + max(a/n, a - t(n-1)/n) >= a >= the overlap of any earlier op."""
+    if buckets <= 1:
+        return allreduce_s
+    return max(allreduce_s / buckets, allreduce_s - backward_s * (buckets - 1) / buckets)
 
 
 class SimResult:
@@ -339,14 +374,17 @@ class Simulation:
     def iteration_time(self, sync_time=None, not_before: dict | None = None) -> float:
         """A lone iteration's time (as `result().iteration_time`), each all-reduce charged
         `sync_time(sync, members)` seconds when given, and starting no earlier than
-        `not_before[sync.units]` where given (gradients of pipelines simulated elsewhere)."""
+        `not_before[sync.units]` where given (gradients of pipelines simulated elsewhere, as
+        `sync_starts` gives them; with overlap such a gradient counts as an input ending then,
+        as long as the shortest of the sync's own inputs)."""
         first_end = self._lone_round()
         if sync_time is None and not not_before:
             return max(first_end, default=0.0)
         return self.graph.retimed(first_end, sync_time, not_before)
 
     def sync_starts(self) -> dict:
-        """fragment units -> when its all-reduce starts in a lone iteration (its last input's end)."""
+        """fragment units -> when its gradients are ready in a lone iteration (its last input's
+        end: where its all-reduce starts; with overlap, it ends overlapped_sync_s after that)."""
         if self._sync_starts is None:
             end = self._lone_round()
             self._sync_starts = {node.units: max(end[j] for j in ins)
@@ -423,19 +461,45 @@ class _Graph:
             topological_order(schedule, deps, workers=run)  # raises, naming where each worker waits
         transfer, op_time = costs.transfer_time, costs.op_time
         self.n, self.steps = len(nodes), []
+        # train.overlap_grad_reduce: per sync node, (buckets, [(input op seconds, the inputs
+        # of that length)]), the inputs grouped by length (max_j(end_j + c) = max_j(end_j) + c
+        # exactly: rounding is monotone, so the groups give the same floats as input by input)
+        self.overlap: dict[int, tuple[int, list[tuple[float, list[int]]]]] | None = \
+            {} if getattr(costs, "overlap_grad_reduce", False) else None
+        buckets_of = getattr(costs, "grad_buckets", None)
+        seconds_of = {}  # node index -> op seconds (overlap only)
         for i in order:
             node = nodes[i]
             if isinstance(node, GradientSync):
                 members, seconds = sync_cost[id(node)]
                 self.steps.append((i, node, None, seconds, preds[i], members))
+                if self.overlap is not None:
+                    groups: dict[float, list[int]] = {}
+                    for j in preds[i]:
+                        groups.setdefault(seconds_of[j], []).append(j)
+                    n = buckets_of(node) if buckets_of is not None else node.units[1] - node.units[0]
+                    self.overlap[i] = (n, sorted(groups.items()))
             else:
                 w = where[node]
                 ins = [(j, None if isinstance(nodes[j], GradientSync) else transfer(where[nodes[j]], w))
                        for j in preds[i]]
-                self.steps.append((i, node, w, op_time(node), ins, None))
+                t = op_time(node)
+                self.steps.append((i, node, w, t, ins, None))
+                if self.overlap is not None:
+                    seconds_of[i] = t
         self.preds, self.chains = preds, chains
         self.last_end: list[float] = []
         self._after_syncs: list | None = None
+
+    def _overlapped_end(self, i: int, end: list[float], seconds: float, floor: float | None = None) -> float:
+        """When sync node i's all-reduce of `seconds` ends under overlap: max over its inputs j
+        of end_j + overlapped_sync_s(seconds, buckets, t_j); `floor` (not_before: gradients of
+        pipelines simulated elsewhere) counts as an input of the shortest length here."""
+        n, groups = self.overlap[i]
+        finish = max(max(end[j] for j in js) + overlapped_sync_s(seconds, n, t) for t, js in groups)
+        if floor is not None:
+            finish = max(finish, floor + overlapped_sync_s(seconds, n, groups[0][0]))
+        return finish
 
     def retimed(self, first_end: list[float], sync_time=None, not_before: dict | None = None) -> float:
         """The iteration time of a lone round (whose node ends were `first_end`) with each sync
@@ -463,9 +527,13 @@ class _Graph:
             if w is None:
                 start = max(end[j] for j in ins)
                 floor = not_before.get(node.units) if not_before else None
-                if floor is not None and floor > start:
-                    start = floor
-                finish = start + (seconds if sync_time is None else sync_time(node, members))
+                a = seconds if sync_time is None else sync_time(node, members)
+                if self.overlap is not None:
+                    finish = self._overlapped_end(i, end, a, floor)
+                else:
+                    if floor is not None and floor > start:
+                        start = floor
+                    finish = start + a
             else:
                 start = 0.0 if p is None else end[p]  # the worker is free when its previous op ends
                 for j, delay in ins:
@@ -484,10 +552,15 @@ class _Graph:
         worker is free and its inputs have arrived."""
         end = [0.0] * self.n
         ops_out, ar_out = [], []
+        overlap = self.overlap
         for i, node, w, seconds, ins, members in self.steps:
             if w is None:  # a gradient sync: starts when its last input is ready
-                start = max(end[j] for j in ins)
-                finish = start + seconds
+                if overlap is None:
+                    start = max(end[j] for j in ins)
+                    finish = start + seconds
+                else:  # in buckets during the last backward: drawn as its `seconds` ending at finish
+                    finish = self._overlapped_end(i, end, seconds)
+                    start = finish - seconds
                 ar_out.append((node, members, start, finish))
             else:
                 start = worker_free[w]
