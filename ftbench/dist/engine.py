@@ -35,7 +35,7 @@ from ftbench.engine.worker import StageReplica, Worker
 from ftbench.layers import GradientSync, fragment_layout, model_layers, stage_units
 from ftbench.models.data import batch
 from ftbench.models.gpt import build_stage
-from ftbench.engine.local import fragment_writers
+from ftbench.engine.local import fragment_writers, load_shards, to_device
 from ftbench.recovery_costs import SaveCost
 from ftbench.schedule import F, OPT, Op, dependency_graph, topological_order
 
@@ -211,14 +211,7 @@ class DistEngine:
             iteration, by_name = loaded
             shards = list(by_name.values())
         if self.worker is not None:
-            model = {k: v for sh in shards for k, v in sh["model"].items()}
-            optim = {k: v for sh in shards for k, v in sh["optim"].items()}
-            for replica in self.worker.replicas.values():
-                try:
-                    replica.load(_to(model, self.device), _to(optim, self.device))
-                except KeyError as missing:
-                    raise ResultError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
-                                      "replica: every copy of it was lost") from None
+            load_shards(self.worker.replicas.values(), shards, self.device)
         return iteration
 
     def copy_replicas(self, copies, plan) -> None:
@@ -278,21 +271,7 @@ class DistEngine:
 
 def _on_cpu(obj):
     """A shard with its tensors in host memory (what crosses processes as a pickled object)."""
-    if torch.is_tensor(obj):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _on_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_on_cpu(v) for v in obj]
-    return obj
-
-
-def _to(obj, device):
-    if torch.is_tensor(obj):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
+    return to_device(obj, torch.device("cpu"))
 
 
 class _CutTransport:

@@ -391,7 +391,9 @@ def _pack(shard) -> torch.Tensor:
     import io
 
     buffer = io.BytesIO()
-    torch.save(_to_cpu(shard), buffer)
+    from ftbench.engine.local import to_device
+
+    torch.save(to_device(shard, torch.device("cpu")), buffer)
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
@@ -399,14 +401,6 @@ def _unpack(payload: torch.Tensor, device) -> dict:
     import io
 
     return torch.load(io.BytesIO(payload.numpy().tobytes()), map_location=device, weights_only=False)
-
-
-def _to_cpu(obj):
-    if torch.is_tensor(obj):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    return obj
 
 
 def _numel(shape) -> int:

@@ -205,15 +205,8 @@ class LocalEngine:
         return iteration
 
     def _load_all(self, plan, shards, workers=None) -> None:
-        model = {k: v for s in shards for k, v in s["model"].items()}
-        optim = {k: v for s in shards for k, v in s["optim"].items()}
-        for w in plan.holds if workers is None else workers:
-            for replica in self.workers[w].replicas.values():
-                try:
-                    replica.load(model, optim)
-                except KeyError as missing:
-                    raise ResultError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
-                                      "replica: every copy of it was lost") from None
+        replicas = [r for w in (plan.holds if workers is None else workers) for r in self.workers[w].replicas.values()]
+        load_shards(replicas, shards)
 
     def copy_replicas(self, copies, plan) -> None:
         """Perform named state copies (ftbench.actions.Transfer) and continue with `plan`: each
@@ -253,6 +246,33 @@ class LocalEngine:
                     if not torch.equal(p, state[name]):
                         raise RuntimeError(f"replicas of {name} diverged (worker {w}, layers {layers})")
         return state
+
+
+def to_device(obj, device):
+    """Nested dicts and lists of tensors with every tensor detached and on `device`."""
+    if torch.is_tensor(obj):
+        return obj.detach().to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_device(v, device) for v in obj]
+    return obj
+
+
+def load_shards(replicas, shards, device=None) -> None:
+    """Load checkpoint shards (or in-memory commits) into `replicas`, each taking its own
+    parameters and AdamW state from all of them together (moved to `device` when given).
+    Shared by the local and dist backends."""
+    model = {k: v for s in shards for k, v in s["model"].items()}
+    optim = {k: v for s in shards for k, v in s["optim"].items()}
+    if device is not None:
+        model, optim = to_device(model, device), to_device(optim, device)
+    for replica in replicas:
+        try:
+            replica.load(model, optim)
+        except KeyError as missing:
+            raise ResultError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
+                              "replica: every copy of it was lost") from None
 
 
 def fragment_writers(plan) -> list[tuple[str, int, tuple[int, int], tuple[int, int]]]:
