@@ -188,14 +188,16 @@ def holds_from_schedule(schedule: Schedule) -> dict[int, tuple[tuple[int, int], 
     """By default a worker keeps the state of every replica it steps the optimizer of."""
     ops = schedule.ops
     if isinstance(ops, GridOps):  # from the templates, without building the ops
-        steps = [tuple(s for k, s, _ in t if k == OPT) for t in ops.templates]
+        steps = [tuple((op[1], op[3] if len(op) == 4 else 0) for op in t if op[0] == OPT) for t in ops.templates]
         out, given = {}, ops._lists
         for w, (tid, d) in ops.of.items():
             if w in given:
                 out[w] = tuple((op.pipeline, op.stage) for op in given[w] if op.kind == OPT)
-            else:
+            elif type(d) is int:
                 stages = steps[tid]
-                out[w] = ((d, stages[0]),) if len(stages) == 1 else tuple((d, s) for s in stages)
+                out[w] = ((d, stages[0][0]),) if len(stages) == 1 else tuple((d, s) for s, _ in stages)
+            else:  # a bound template (PartFlows): local pipeline p is d.pipelines[p]
+                out[w] = tuple((d.pipelines[p], s) for s, p in steps[tid])
         return out
     return {w: tuple((op.pipeline, op.stage) for op in ops if op.kind == OPT)
             for w, ops in schedule.ops.items()}

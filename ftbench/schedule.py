@@ -47,7 +47,34 @@ class ScheduleError(ValueError):
     """A schedule that cannot be executed: missing, duplicated or deadlocking ops."""
 
 
-Template = tuple[tuple[str, int, int], ...]  # one worker's order, (kind, stage, micro-batch) per op
+Template = tuple[tuple, ...]  # one worker's order: (kind, stage, micro-batch) per op, or bound (see PartFlows)
+
+
+class PartFlows(NamedTuple):
+    """The real flows of a *part* whose workers run bound templates: a bound template's ops are
+    (kind, stage, j, p), micro-batch j of local pipeline p, and for its worker local pipeline
+    p is `pipelines[p]` and its micro-batch j is `microbatches[p][j]`. The workers of one part
+    share one PartFlows object, and a part runs every op of the flows it names (ReCycle: a
+    peer pipeline with the micro-batches re-routed to it), so parts of one shape share their
+    templates however many there are."""
+    pipelines: tuple[int, ...]
+    microbatches: tuple[tuple[int, ...], ...]
+
+
+def identity(n: int) -> tuple[int, ...]:
+    """(0, 1, ..., n-1), one shared tuple per n: the micro-batches of a whole local pipeline."""
+    found = _IDENTITY.get(n)
+    if found is None:
+        found = _IDENTITY[n] = tuple(range(n))
+    return found
+
+
+_IDENTITY: dict[int, tuple[int, ...]] = {}
+
+
+def _bound(template, flows: PartFlows) -> list:
+    pipes, mbs = flows
+    return [_op((k, s, j if j == NO_MICROBATCH else mbs[p][j], pipes[p])) for k, s, j, p in template]
 
 
 class GridOps(MutableMapping):
@@ -61,10 +88,13 @@ class GridOps(MutableMapping):
     handed out, and `read(w)`, which builds the ops without handing them out.
     """
 
-    def __init__(self, templates: tuple[Template, ...], of: dict[int, tuple[int, int]],
+    def __init__(self, templates: tuple[Template, ...], of: dict[int, tuple[int, int | PartFlows]],
                  lists: dict[int, list[Op]] | None = None, run: int | None = None):
         self.templates = templates  # template id -> its order
-        self.of = of  # worker -> (template id, pipeline); every worker of the schedule, in order
+        # worker -> (template id, pipeline), or (template id, PartFlows) for a bound template;
+        # every worker of the schedule, in order
+        self.of = of
+        self._parts: list | None = None
         self._lists: dict[int, list[Op]] = {} if lists is None else lists  # handed out (maybe changed)
         # A generated grid: `of` is pipelines 0, 1, ... in turn, each `run` workers in stage
         # order whose templates depend only on the pipeline's micro-batch count (None: unknown).
@@ -73,9 +103,14 @@ class GridOps(MutableMapping):
     def __getitem__(self, w: int) -> list[Op]:
         ops = self._lists.get(w)
         if ops is None:
-            tid, d = self.of[w]
-            ops = self._lists[w] = [_op((k, s, m, d)) for k, s, m in self.templates[tid]]
+            ops = self._lists[w] = self._build(w)
         return ops
+
+    def _build(self, w: int) -> list[Op]:
+        tid, d = self.of[w]
+        if type(d) is int:
+            return [_op((k, s, m, d)) for k, s, m in self.templates[tid]]
+        return _bound(self.templates[tid], d)
 
     def __setitem__(self, w: int, ops: list[Op]) -> None:
         self._lists[w] = ops
@@ -86,7 +121,24 @@ class GridOps(MutableMapping):
     def __delitem__(self, w: int) -> None:
         del self.of[w]
         self._lists.pop(w, None)
-        self.run = None
+        self.run = self._parts = None
+
+    def parts(self) -> list[tuple[PartFlows, list[tuple[int, int]]]] | None:
+        """When every worker runs a bound template and no list was handed out: the parts, as
+        (their PartFlows, [(worker, template id)]) in the order first met; else None."""
+        if self._lists:
+            return None
+        if self._parts is None:
+            groups: dict[int, tuple[PartFlows, list]] = {}
+            for w, (tid, flows) in self.of.items():
+                if type(flows) is not PartFlows:
+                    return None
+                group = groups.get(id(flows))
+                if group is None:
+                    group = groups[id(flows)] = (flows, [])
+                group[1].append((w, tid))
+            self._parts = list(groups.values())
+        return self._parts
 
     def regular(self) -> int | None:
         """`run` while it holds: a generated grid none of whose lists was handed out."""
@@ -111,10 +163,7 @@ class GridOps(MutableMapping):
     def read(self, w: int):
         """The worker's ops, for reading only (not handed out: `form` stays valid)."""
         ops = self._lists.get(w)
-        if ops is not None:
-            return ops
-        tid, d = self.of[w]
-        return [_op((k, s, m, d)) for k, s, m in self.templates[tid]]
+        return ops if ops is not None else self._build(w)
 
     def renamed(self, to: dict[int, int]) -> "GridOps":
         """The same ops with worker w run by to[w] (lists already handed out are shared)."""
@@ -169,6 +218,13 @@ class Schedule:
         (GridOps) is keyed by its templates and (worker, template, pipeline) records, packed
         into bytes: exact and small, without building its ops."""
         ops = self.ops
+        parts = ops.parts() if isinstance(ops, GridOps) else None
+        if parts is not None:  # bound templates: per part its flows, and (worker, template) records
+            flows = marshal.dumps(tuple((tuple(f.pipelines), tuple(map(tuple, f.microbatches))) for f, _ in parts))
+            records = array("q", chain.from_iterable(chain.from_iterable(members) for _, members in parts))
+            sizes = array("q", [len(members) for _, members in parts])
+            return ("parts", marshal.dumps((self.stages, self.microbatches, ops.templates)), flows,
+                    sizes.tobytes(), records.tobytes())
         if isinstance(ops, GridOps):
             lazy = {w: f for w, f in ops.of.items() if w not in ops._lists} if ops._lists else ops.of
             given = tuple((w, tuple(tuple(op) for op in ops._lists[w])) for w in sorted(ops._lists))
@@ -247,6 +303,9 @@ def check_coverage(schedule: Schedule) -> None:
 
 def _coverage_problems(schedule: Schedule) -> list[str]:
     if isinstance(schedule.ops, GridOps):
+        parts = schedule.ops.parts()
+        if parts is not None:
+            return _part_coverage_problems(schedule, parts)
         if _grid_covered(schedule):
             return []
         if schedule.ops._lists:
@@ -279,6 +338,68 @@ def _mixed_coverage_problems(schedule: Schedule) -> list[str]:
     counts = Counter(op for w in ops if w in ops._lists or ops.of[w][1] in mixed for op in ops.read(w))
     stepped = {(s, d) for d in templated if d not in mixed for s in range(schedule.stages[d])}
     return _problems_of(schedule, counts, sorted(mixed), stepped)
+
+
+def _part_coverage_problems(schedule: Schedule, parts) -> list[str]:
+    """Coverage of bound parts (GridOps.parts): each shape (its templates, with each local
+    pipeline's stage and micro-batch counts) runs each of its local flows whole, checked once
+    as a small schedule; then every real flow belongs to exactly one part (a whole pipeline at
+    once where a part names all of its micro-batches in order), and each stage of each
+    pipeline is stepped once by one of its replicas."""
+    ops, n = schedule.ops, len(schedule.stages)
+    problems: list[str] = []
+    local_ok: dict[tuple, list[str]] = {}
+    whole, single, steps = Counter(), Counter(), Counter()
+    opt_of: dict[int, list[tuple[int, int]]] = {}  # template id -> its steps (stage, local pipeline)
+    for flows, members in parts:
+        pipes, mbs = flows
+        if len(set(pipes)) != len(pipes) or len(mbs) != len(pipes) or not all(0 <= d < n for d in pipes):
+            problems.append(f"part of workers {[w for w, _ in members][:4]} names pipelines {pipes[:8]}: "
+                            "each must be a distinct pipeline of the schedule")
+            continue
+        tids = tuple(sorted(t for _, t in members))
+        shape = (tids, tuple(schedule.stages[d] for d in pipes), tuple(map(len, mbs)))
+        found = local_ok.get(shape)
+        if found is None:
+            one = Schedule({i: [Op(*op) for op in ops.templates[t]] for i, t in enumerate(tids)},
+                           stages=shape[1], microbatches=shape[2])
+            stepped = {(st, p) for p, count in enumerate(shape[1]) for st in range(count)}  # checked globally
+            found = local_ok[shape] = [f"{problem} (local, in a part of shape {tids[:4]})" for problem in
+                                       _problems_of(one, Counter(op for w in one.ops for op in one.ops[w]),
+                                                    range(len(pipes)), stepped)]
+        if found:
+            problems += found
+            continue
+        for p, d in enumerate(pipes):
+            if mbs[p] == identity(schedule.microbatches[d]):
+                whole[d] += 1
+            else:
+                single.update((d, m) for m in mbs[p])
+        for t in tids:
+            if t not in opt_of:
+                opt_of[t] = [(st, p) for k, st, _, p in ops.templates[t] if k == OPT]
+            steps.update([(pipes[p], st) for st, p in opt_of[t]])
+    stepped_at = {(schedule.stages[d], st) for d, st in steps}
+    for d in range(n):
+        if whole[d] > 1:
+            problems.append(f"pipeline {d} is run whole by {whole[d]} parts")
+        for st in range(schedule.stages[d]):
+            if (schedule.stages[d], st) not in stepped_at:
+                problems.append(f"stage {st} of pipeline {d} has no optimizer step")
+    for (d, st), times in steps.items():
+        if times > 1:
+            problems.append(f"{Op(OPT, st, NO_MICROBATCH, d)} appears {times} times")
+    for (d, m), times in single.items():
+        if not 0 <= m < schedule.microbatches[d]:
+            problems.append(f"micro-batch {m} of pipeline {d} is outside the schedule's shape")
+        elif times > 1 or whole[d]:
+            problems.append(f"micro-batch {m} of pipeline {d} is run by {times + whole[d]} parts")
+    for d in range(n):
+        if not whole[d]:
+            missing = [m for m in range(schedule.microbatches[d]) if (d, m) not in single]
+            if missing:
+                problems.append(f"micro-batches {missing[:4]} of pipeline {d} are run by no part")
+    return problems
 
 
 _SPLIT, _FUSED = {F, B, W}, {F, BW}

@@ -44,7 +44,7 @@ from ftbench.failures import FailureEvent
 from ftbench.plan import Plan, holds_from_schedule
 from ftbench.planning.library import METHODS, PlanLibrary, forms_up_to
 from ftbench.planning.problem import PlanningError, normalise, problem_for
-from ftbench.schedule import NO_MICROBATCH, OPT, GridOps, Op, Schedule, grid_worker
+from ftbench.schedule import NO_MICROBATCH, OPT, GridOps, Op, PartFlows, Schedule, grid_worker
 from ftbench.transfers import peer_copies
 from ftbench.strategies.base import Recovery
 from ftbench.strategies.checkpoint import CheckpointRestart
@@ -191,32 +191,19 @@ def _listed_ops(stored, order: list[int], pp: int) -> dict[int, list[Op]]:
 
 
 def _grid_ops(stored, order: list[int], pp: int) -> GridOps:
-    """The same from a plan kept per shape of part: a part that is one pipeline of its own
-    (untouched by re-routing) shares its shape's order as a template, so the thousands of
-    such pipelines on a large grid are never built op by op; the re-routed parts are listed."""
-    templates, of, lists = [], {}, {}
+    """The same from a plan kept per shape of part (ftbench.planning.parts): each shape's
+    orders become bound templates, once, and each part only names its real flows
+    (PartFlows), so a large grid's thousands of parts, re-routed or not, are never built op
+    by op. Every worker steps its own stage replica last."""
+    templates, of = [], {}
     for shape, orders, parts in stored.shaped:
-        alone = len(shape.part.pipeline_of) == 1 and all(
-            shape.part.microbatch_of[key] == key[1] for key in shape.part.microbatch_of)
-        if alone:
-            ids = {}
-            for (_, s), order_ in orders.items():
-                ids[s] = len(templates)
-                templates.append(tuple((op.kind, op.stage, op.microbatch) for op in order_)
-                                 + ((OPT, s, NO_MICROBATCH),))
-            for part in parts:
-                d = order[part.pipeline_of[0]]
-                of.update((grid_worker(d, s, pp), (ids[s], d)) for s in ids)
-            continue
-        real_pos = {}  # shape position -> its worker, per part
+        ids = {}
+        for pos, order_ in orders.items():
+            ids[pos] = len(templates)
+            templates.append(tuple((op.kind, op.stage, op.microbatch, op.pipeline) for op in order_)
+                             + ((OPT, pos[1], NO_MICROBATCH, pos[0]),))
         for part in parts:
-            pipes = [order[i] for i in part.pipeline_of]  # local pipeline -> real pipeline
-            mbs = part.microbatch_of
+            flows = PartFlows(tuple(order[i] for i in part.pipeline_of), part.microbatches)
             for (i, s), local in part.local.items():
-                real_pos[local] = (grid_worker(order[i], s, pp), order[i])
-            for pos, order_ in orders.items():
-                w, d = real_pos[pos]
-                lists[w] = [Op(op.kind, op.stage, mbs[(op.pipeline, op.microbatch)], pipes[op.pipeline])
-                            for op in order_] + [Op(OPT, pos[1], NO_MICROBATCH, d)]
-                of[w] = (-1, -1)
-    return GridOps(tuple(templates), dict(sorted(of.items())), lists)
+                of[grid_worker(order[i], s, pp)] = (ids[local], flows)
+    return GridOps(tuple(templates), dict(sorted(of.items())))

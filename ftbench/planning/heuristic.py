@@ -66,15 +66,33 @@ def _schedule_shapes(problem: PlanningProblem, priority: dict[str, int]):
         raise PlanningError(f"no re-routed schedule fits in memory: {shortfall}")
     shaped = []
     last_grad: dict[int, float] = defaultdict(float)
-    free: dict[Position, float] = {}
+    latest: dict[int, float] = defaultdict(float)  # per stage, its workers' last op end
     for shape, parts in split(problem):
-        shape_orders, shape_grad, shape_free = _schedule_part(shape, priority)
+        shape_orders, shape_grad, shape_free = _schedule_shape(problem, shape, priority)
         for s, t in shape_grad.items():
             last_grad[s] = max(last_grad[s], t)
-        for part in parts:
-            free.update((real, shape_free[local]) for real, local in part.local.items())
+        for (_, s), t in shape_free.items():  # every part of the shape ends alike
+            latest[s] = max(latest[s], t)
         shaped.append((shape, shape_orders, parts))
-    return shaped, _iteration_time(problem, last_grad, free)
+    return shaped, _iteration_time(problem, last_grad, latest)
+
+
+def _schedule_shape(problem: PlanningProblem, shape, priority: dict[str, int]):
+    """_schedule_part of a shape, remembered across problems of one grid: a shape's key holds
+    its flows, transfer times and caps, and with the grid's op times that decides its schedule
+    (after each failure of a large grid most parts keep shapes already planned)."""
+    key = (problem.stages, problem.decoupled, problem.pp, tuple(sorted(priority.items())), shape.part.key)
+    found = _SHAPE_PLANS.get(key)
+    if found is None:
+        found = _schedule_part(shape, priority)
+        if len(_SHAPE_PLANS) >= SHAPE_PLANS_KEPT:
+            _SHAPE_PLANS.pop(next(iter(_SHAPE_PLANS)))  # the oldest
+        _SHAPE_PLANS[key] = found
+    return found
+
+
+SHAPE_PLANS_KEPT = 512
+_SHAPE_PLANS: dict[tuple, tuple] = {}
 
 
 def copy_shaped(shaped) -> dict[Position, list[Op]]:
@@ -177,15 +195,15 @@ def _schedule_part(problem, priority: dict[str, int]):
     return orders, last_grad, free
 
 
-def _iteration_time(problem: PlanningProblem, last_grad: dict[int, float], free: dict[Position, float]) -> float:
+def _iteration_time(problem: PlanningProblem, last_grad: dict[int, float], latest: dict[int, float]) -> float:
     """Each stage's all-reduce ends problem.sync_s(s) after its last weight gradient anywhere
     (all of it without overlap; with train.overlap_grad_reduce what is left after that W/BW,
     the simulator's overlapped_sync_s: every W/BW of a stage lasts the same, so the latest
     binds); a worker steps after that and its own last op (ftbench.sim.simulator's rules,
-    without simulating again)."""
+    without simulating again). `latest`: per stage, the last end of any of its workers' ops
+    (max(x, sync) + c is monotone in x, so the latest worker of a stage binds)."""
     time = 0.0
-    for pos in problem.workers:
-        s = pos[1]
+    for s in latest:
         sync = last_grad[s] + problem.sync_s(s)
-        time = max(time, max(free[pos], sync) + problem.stages[s].optimizer_s)
+        time = max(time, max(latest[s], sync) + problem.stages[s].optimizer_s)
     return time

@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ftbench.planning.problem import PlanningProblem, Position
-from ftbench.schedule import B, BW, F, W, Op
+from ftbench.schedule import B, BW, F, W, Op, identity
 from ftbench.union_find import DisjointSets
 
 
@@ -28,8 +28,13 @@ class Part:
     workers: list[Position]  # real positions
     local: dict[Position, Position]  # real position -> position in the shape
     pipeline_of: list[int]  # local pipeline -> real pipeline
-    microbatch_of: dict[tuple[int, int], int]  # (local pipeline, local micro-batch) -> real micro-batch
+    microbatches: tuple[tuple[int, ...], ...]  # per local pipeline, local micro-batch j -> real micro-batch
     key: tuple  # the shape
+
+    @property
+    def microbatch_of(self) -> dict[tuple[int, int], int]:
+        """(local pipeline, local micro-batch) -> real micro-batch."""
+        return {(p, j): k for p, ks in enumerate(self.microbatches) for j, k in enumerate(ks)}
 
 
 class PartProblem:
@@ -72,6 +77,8 @@ def split(problem: PlanningProblem) -> list[tuple[PartProblem, list[Part]]]:
 
 
 def _split(problem: PlanningProblem) -> list[tuple[PartProblem, list[Part]]]:
+    if _whole_pipelines(problem):
+        return _split_pipelines(problem)
     pp, m, rerouted = problem.pp, problem.microbatches, problem.rerouted
     touched = sorted({d for d, _, _ in rerouted} | set(rerouted.values()))
     shapes: dict[tuple, tuple[PartProblem, list[Part]]] = {}
@@ -98,6 +105,89 @@ def _split(problem: PlanningProblem) -> list[tuple[PartProblem, list[Part]]]:
     return list(shapes.values())
 
 
+def _whole_pipelines(problem: PlanningProblem) -> bool:
+    """Whether every failed position's pipeline lost all of its stages (a node per pipeline):
+    then every re-routed micro-batch stays on one peer at every stage, and every part is one
+    surviving pipeline with the foreign micro-batches it took."""
+    failed = problem.failed
+    return all((d, s) in failed for d, _ in failed for s in range(problem.pp))
+
+
+def _split_pipelines(problem: PlanningProblem) -> list[tuple[PartProblem, list[Part]]]:
+    """`_split` when whole pipelines failed, in O(pipelines + re-routed micro-batches): the
+    same parts, keys and order as the general path, without tracing each flow's route (a
+    large grid has a hundred thousand flows, and this runs at every failure)."""
+    pp, m = problem.pp, problem.microbatches
+    routes = problem.stage_routes[0] if problem.failed else {}  # the same at every stage
+    taken = defaultdict(list)  # peer -> its foreign (pipeline, micro-batch) flows
+    for flow, peer in routes.items():
+        taken[peer].append(flow)
+    failed = {d for d, _ in problem.failed}
+    # Parts in the order the general path finds them: untouched pipelines, then by first touch.
+    order = [d for d in range(problem.dp) if d not in failed and d not in taken]
+    seen = set(order)
+    for d in sorted(failed | set(taken)):
+        for e in ([routes[(d, k)] for k in range(m)] if d in failed else [d]):
+            if e not in seen:
+                seen.add(e)
+                order.append(e)
+    hops = pipeline_hops(problem)
+    own = identity(m)  # one shared tuple: every pipeline's own micro-batches
+    shapes: dict[tuple, tuple[PartProblem, list[Part]]] = {}
+    keys: dict[tuple, tuple] = {}  # a cheap stand-in -> the full key (hashing it is costly)
+    for e in order:
+        count = defaultdict(int, {e: m})
+        for f, _ in taken.get(e, ()):
+            count[f] += 1
+        pipelines = sorted(count, key=lambda d: (-count[d], d))
+        p = pipelines.index(e)
+        workers = [(e, s) for s in range(pp)]
+        local = {(e, s): (p, s) for s in range(pp)}
+        if len(pipelines) == 1:
+            microbatches = (own,)
+        else:
+            mbs = defaultdict(list)
+            for f, k in taken[e]:
+                mbs[f].append(k)
+            microbatches = tuple(own if d == e else tuple(sorted(mbs[d])) for d in pipelines)
+        caps = tuple(((p, s), problem.stash_cap(pos), problem.defer_cap(pos)) for s, pos in enumerate(workers))
+        stand_in = (p, tuple(count[d] for d in pipelines), hops[e], caps)
+        key = keys.get(stand_in)
+        if key is None:
+            flow = (tuple((p, s) for s in range(pp)), hops[e])
+            key = keys[stand_in] = (len(pipelines), (flow,) * sum(count.values()), caps)
+        part = Part(workers, local, pipelines, microbatches, key)
+        if key not in shapes:
+            shapes[key] = (PartProblem(problem, part, _shape_ops(problem, part, [local[w] for w in workers])), [])
+        shapes[key][1].append(part)
+    return list(shapes.values())
+
+
+def pipeline_hops(problem: PlanningProblem) -> list[tuple[float, ...]]:
+    """Per pipeline, the transfer time of each hop from stage s to s + 1 (whether it stays on a
+    node): fixed by the grid, so computed once per grid, not per failure."""
+    key = (problem.pp, problem.dp, problem.gpus_per_node, problem.placement, problem.intra_node_s,
+           problem.inter_node_s)
+    if key not in _HOPS:
+        _HOPS.clear()  # one grid at a time
+        _HOPS[key] = [tuple(problem.transfer_s((d, s), (d, s + 1)) for s in range(problem.pp - 1))
+                      for d in range(problem.dp)]
+    return _HOPS[key]
+
+
+_HOPS: dict[tuple, list] = {}
+
+
+def _shape_ops(problem: PlanningProblem, part: Part, route: list[Position]) -> dict[Position, list[Op]]:
+    """A single-pipeline shape's ops: every flow runs along `route` (the local positions)."""
+    kinds = (F, B, W) if problem.decoupled else (F, BW)
+    ops = {pos: [] for pos in route}
+    for p, j in ((p, j) for p, ks in enumerate(part.microbatches) for j in range(len(ks))):
+        for pos in route:
+            ops[pos] += [Op(kind, pos[1], j, p) for kind in kinds]
+    return ops
+
+
 def _add(shapes: dict, problem: PlanningProblem, workers: list[Position], routes: dict) -> None:
     """Relabel one part (its workers and its flows' routes: the runner pipeline per stage) and
     file it under its shape."""
@@ -119,7 +209,8 @@ def _add(shapes: dict, problem: PlanningProblem, workers: list[Position], routes
                                     for s, e in enumerate(route[:-1]))))
     caps = tuple(sorted((local[pos], problem.stash_cap(pos), problem.defer_cap(pos)) for pos in workers))
     key = (len(pipelines), tuple(signature), caps)  # flows in (local pipeline, micro-batch) order
-    part = Part(sorted(workers), local, pipelines, microbatch_of, key)
+    microbatches = tuple(tuple(microbatch_of[(p, j)] for j in range(count[d])) for p, d in enumerate(pipelines))
+    part = Part(sorted(workers), local, pipelines, microbatches, key)
     if key not in shapes:
         kinds = (F, B, W) if problem.decoupled else (F, BW)
         ops = {local[pos]: [] for pos in workers}
@@ -135,7 +226,7 @@ def _add(shapes: dict, problem: PlanningProblem, workers: list[Position], routes
 def copy_orders(shape: PartProblem, orders: dict[Position, list[Op]], part: Part) -> dict[Position, list[Op]]:
     """A shape's orders renamed onto one of its parts (real positions, pipelines, micro-batches)."""
     real_pos = {v: k for k, v in part.local.items()}
-    pipes, mbs = part.pipeline_of, part.microbatch_of
-    return {real_pos[pos]: [Op(op.kind, op.stage, mbs[(op.pipeline, op.microbatch)], pipes[op.pipeline])
+    pipes, mbs = part.pipeline_of, part.microbatches
+    return {real_pos[pos]: [Op(op.kind, op.stage, mbs[op.pipeline][op.microbatch], pipes[op.pipeline])
                             for op in order]
             for pos, order in orders.items()}

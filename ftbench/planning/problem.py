@@ -15,10 +15,11 @@ that op (ftbench.sim.simulator.overlapped_sync_s).
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
-import heapq
 import json
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
@@ -110,22 +111,19 @@ class PlanningProblem:
         the micro-batches of failed positions. They go to the stage's survivors, the least
         loaded first, starting with the next pipeline (so two failures in one stage do not pile
         onto one peer)."""
-        m, dp = self.microbatches, self.dp
-        out = {}
+        return {(d, s, k): peer for s, flows in enumerate(self.stage_routes) for (d, k), peer in flows.items()}
+
+    @cached_property
+    def stage_routes(self) -> list[dict[tuple[int, int], int]]:
+        """Per stage, (failed pipeline, micro-batch) -> the peer that runs it there (`rerouted`
+        by stage). Stages that lost the same pipelines share one dict: whole failed pipelines
+        (a node per pipeline) re-route alike at every stage."""
+        out, memo = [], {}
         for s in range(self.pp):
-            failed = [d for d in range(dp) if (d, s) in self.failed]
-            if not failed:
-                continue
-            load = {d: m for d in self.survivors(s)}
-            for d in failed:
-                # (load, distance along the ring from d, peer): the least loaded, nearest first.
-                heap = [(n, (e - d) % dp, e) for e, n in load.items()]
-                heapq.heapify(heap)
-                for k in range(m):
-                    n, distance, peer = heapq.heappop(heap)
-                    load[peer] = n + 1
-                    out[(d, s, k)] = peer
-                    heapq.heappush(heap, (n + 1, distance, peer))
+            failed = tuple(d for d, _ in sorted(p for p in self.failed if p[1] == s))
+            if failed not in memo:
+                memo[failed] = _reroute(failed, self.survivors(s), self.microbatches, self.dp)
+            out.append(memo[failed])
         return out
 
     @cached_property
@@ -140,8 +138,12 @@ class PlanningProblem:
     def load(self) -> dict[Position, int]:
         """Micro-batches each surviving worker runs."""
         out = {pos: self.microbatches for pos in self.workers}
-        for (_, s, _), e in self.rerouted.items():
-            out[(e, s)] += 1
+        extra = {}  # one count per distinct stage routing
+        for s, flows in enumerate(self.stage_routes):
+            if id(flows) not in extra:
+                extra[id(flows)] = Counter(flows.values())
+            for e, n in extra[id(flows)].items():
+                out[(e, s)] += n
         return out
 
     def stash_cap(self, pos: Position) -> int:
@@ -161,16 +163,23 @@ class PlanningProblem:
 
     @cached_property
     def _caps(self) -> dict[Position, tuple[int, int]]:
+        memo = {}  # the caps depend on the stage and the load only
         out = {}
-        for pos in self.workers:
-            load, t = self.load[pos], self.stages[pos[1]]
-            free = self.memory_bytes - t.static_bytes - t.recompute_bytes
-            defer = 0
-            if self.decoupled:
-                target = min(load, self.pp - pos[1])
-                defer = max(1, _fits(free - target * t.activation_bytes, t.weight_stash_bytes, load))
-            out[pos] = (_fits(free - defer * t.weight_stash_bytes, t.activation_bytes, load), defer)
+        for pos, load in self.load.items():
+            caps = memo.get((pos[1], load))
+            if caps is None:
+                caps = memo[(pos[1], load)] = self._caps_of(pos[1], load)
+            out[pos] = caps
         return out
+
+    def _caps_of(self, stage: int, load: int) -> tuple[int, int]:
+        t = self.stages[stage]
+        free = self.memory_bytes - t.static_bytes - t.recompute_bytes
+        defer = 0
+        if self.decoupled:
+            target = min(load, self.pp - stage)
+            defer = max(1, _fits(free - target * t.activation_bytes, t.weight_stash_bytes, load))
+        return _fits(free - defer * t.weight_stash_bytes, t.activation_bytes, load), defer
 
     def memory_shortfall(self) -> str | None:
         """Why no schedule of this problem fits in memory (None: one does)."""
@@ -251,6 +260,32 @@ class PlanningProblem:
         data["failed"] = sorted(self.failed)
         data["version"] = PLANNER_VERSION
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _reroute(failed: tuple[int, ...], survivors: list[int], m: int, dp: int) -> dict[tuple[int, int], int]:
+    """(failed pipeline, micro-batch) -> peer for one stage: each failed pipeline in turn hands
+    its micro-batches, in order, to the least loaded survivor, the nearest after it along the
+    ring first (a heap of (load, ring distance, peer) popped and pushed back one by one gives
+    the same). Loads never differ by more than one, so the survivors at the lowest load are
+    kept sorted by id and each failed pipeline takes the next ones after itself, wrapping."""
+    out = {}
+    low, high = list(survivors), []  # peers at the lowest load, and at one more
+    for d in failed:
+        k = 0
+        while k < m:
+            start = bisect.bisect_right(low, d)
+            ring = low[start:] + low[:start]  # ring distance from d, nearest first
+            take = ring[:m - k]
+            for peer in take:
+                out[(d, k)] = peer
+                k += 1
+            if len(take) == len(low):
+                low, high = sorted(high + take), []
+            else:
+                taken = set(take)
+                low = [e for e in low if e not in taken]
+                high += take
+    return out
 
 
 def normalise(failed, dp: int, pp: int) -> tuple[tuple[tuple[int, ...], ...], list[int]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ftbench.schedule import NO_MICROBATCH, Op
+from ftbench.schedule import NO_MICROBATCH, Op, PartFlows, identity
 from ftbench.union_find import DisjointSets
 
 
@@ -30,6 +30,79 @@ class PartCopy:
     def rename(self, op: Op) -> Op:
         d, m = self.flows[(op.pipeline, op.microbatch)]
         return Op(op.kind, op.stage, m, d)
+
+
+    def absent(self, microbatches) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+        """(pipelines whose every flow this copy runs, the other flows it runs): left out of
+        the simulated all-reduce inputs."""
+        return (), list(self.flows.values())
+
+
+class BoundCopy:
+    """A copy of a bound part (ftbench.schedule.GridOps.parts): a PartCopy whose flows are
+    renamed through the representative's PartFlows and its own, built only when asked."""
+
+    def __init__(self, workers: dict[int, int], rep: PartFlows, own: PartFlows, inverse: dict):
+        self.workers = workers  # representative's worker -> this copy's worker
+        self._rep, self._own = rep, own
+        self._inverse = inverse  # the representative's real (pipeline, micro-batch) -> local; shared, filled once
+
+    def _local(self) -> dict:
+        if not self._inverse:
+            pipes, mbs = self._rep
+            for p, d in enumerate(pipes):
+                self._inverse[(d, NO_MICROBATCH)] = (p, NO_MICROBATCH)
+                self._inverse.update(((d, m), (p, j)) for j, m in enumerate(mbs[p]))
+        return self._inverse
+
+    def _real(self, p: int, j: int) -> tuple[int, int]:
+        return self._own.pipelines[p], j if j == NO_MICROBATCH else self._own.microbatches[p][j]
+
+    @property
+    def flows(self) -> dict[tuple[int, int], tuple[int, int]]:
+        return {real: self._real(*local) for real, local in self._local().items()}
+
+    def rename(self, op: Op) -> Op:
+        d, m = self._real(*self._local()[(op.pipeline, op.microbatch)])
+        return Op(op.kind, op.stage, m, d)
+
+    def absent(self, microbatches) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+        whole, flows = [], []
+        for d, ks in zip(*self._own):
+            if ks == identity(microbatches[d]):
+                whole.append(d)
+            else:
+                flows += [(d, k) for k in ks]
+        return tuple(whole), flows
+
+
+def bound_copies(parts, costs) -> list[BoundCopy]:
+    """Copies of identical bound parts (GridOps.parts), each mapped onto its representative:
+    parts with the same templates, the same layer split per local pipeline, the same
+    node-sharing pattern and the same kept state worker for worker time out alike. Costs
+    objects without a `plan` get none."""
+    plan = getattr(costs, "plan", None)
+    if plan is None:
+        return []
+    node_of, partition, holds = plan.node_of, plan.partition, plan.holds
+    split_id: dict[int, int] = {}  # id of a pipeline's partition (alive with the plan) -> a small number
+    first: dict[tuple, tuple] = {}
+    out = []
+    for flows, members in parts:
+        members = sorted(members, key=lambda record: record[1])  # by template: its place in the shape
+        workers = tuple(w for w, _ in members)
+        nodes: dict[int, int] = {}
+        key = (tuple(t for _, t in members),
+               tuple(split_id.setdefault(id(partition[d]), len(split_id)) for d in flows.pipelines),
+               tuple(nodes.setdefault(node_of[w], len(nodes)) for w in workers),
+               tuple(tuple((split_id.setdefault(id(partition[d]), len(split_id)), s) for d, s in holds.get(w, ()))
+                     for w in workers))
+        rep = first.get(key)
+        if rep is None:
+            first[key] = (workers, flows, {})
+        else:
+            out.append(BoundCopy(dict(zip(rep[0], workers)), rep[1], flows, rep[2]))
+    return out
 
 
 def part_copies(schedule, costs, workers) -> list[PartCopy]:

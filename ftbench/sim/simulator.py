@@ -31,10 +31,11 @@ ending when the gradients are reduced (in the link-bound case exactly the first 
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import chain
 from collections.abc import Mapping
 
 from ftbench.layers import Layout, fragment_layout, stage_layout
-from ftbench.sim.parts import PartCopy, part_copies
+from ftbench.sim.parts import PartCopy, bound_copies, part_copies
 from ftbench.schedule import (B, BW, F, OPT, W, GradientSync, GridOps, Op, Schedule, dependency_graph, indexed_graph,
                               kahn_order, read_ops, sync_inputs, topological_order)
 
@@ -134,7 +135,21 @@ class _Replicas:
         self.parts = list(parts)  # copies of parts whose workers run other pipelines' ops (ftbench/sim/parts.py)
         self.rep_of_worker = {wc: wr for d, r in copies.items() for wc, wr in zip(ordered[d], ordered[r])}
         self.rep_of_worker.update((wc, wr) for part in self.parts for wr, wc in part.workers.items())
-        self.absent_flows = frozenset(f for part in self.parts for f in part.flows.values())
+        self.copies_of_worker = defaultdict(list)  # a part's representative worker -> its copies
+        for part in self.parts:
+            for wr, wc in part.workers.items():
+                self.copies_of_worker[wr].append(wc)
+        self.absent_pipelines: set[int] = set()  # every flow of them runs in copied parts
+        self.absent_flows: frozenset = frozenset()  # other flows that run in copied parts
+
+    def leave_out(self, microbatches) -> None:
+        """Fill absent_pipelines and absent_flows (the schedule's micro-batch counts)."""
+        flows = []
+        for part in self.parts:
+            whole, some = part.absent(microbatches)
+            self.absent_pipelines.update(whole)
+            flows += some
+        self.absent_flows = frozenset(flows)
 
     def rows(self, rep_rows: list) -> list:
         """The rows of every copy worker, from its representative's (in their order)."""
@@ -177,6 +192,9 @@ def _replica_classes(schedule: Schedule, costs) -> _Replicas:
     if signature_of is None:
         return _Replicas({}, {})
     ops = schedule.ops
+    parts = ops.parts() if isinstance(ops, GridOps) else None
+    if parts is not None:  # bound parts (ReCycle's plans): compared by templates and flows
+        return _Replicas({}, {}, bound_copies(parts, costs))
     if isinstance(ops, GridOps) and ops.regular() is not None:
         fast = _grid_classes(schedule, costs, ops.regular())
         if fast is not None:
@@ -323,10 +341,11 @@ class Simulation:
     def __init__(self, schedule: Schedule, costs, dedupe: bool = True):
         self.schedule, self.costs = schedule, costs
         self.replicas = replicas = _replica_classes(schedule, costs) if dedupe else _Replicas({}, {})
+        replicas.leave_out(schedule.microbatches)
         read = read_ops(schedule)
         self.run = run = {w: read(w) for w in schedule.ops if w not in replicas.rep_of_worker}  # simulated workers
         where = {op: w for w, ops in run.items() for op in ops}
-        present = set(range(len(schedule.stages))) - set(replicas.copies)
+        present = set(range(len(schedule.stages))) - set(replicas.copies) - replicas.absent_pipelines
         self.layout = layout_of(schedule, costs)
         # Every op of a present pipeline runs on a simulated worker, so `where` answers for them.
         deps = dependency_graph(schedule, present, self.layout, workers=run, has=where.__contains__,
@@ -423,7 +442,8 @@ def _sync_costs(schedule: Schedule, costs, deps: dict, where: dict, replicas: _R
         if isinstance(node, GradientSync):
             members = {where[o] for o in deps[node]}
             if replicas.parts:  # a copied part's members at its representative's places
-                members.update([part.workers[w] for part in replicas.parts for w in list(members) if w in part.workers])
+                of_worker = replicas.copies_of_worker
+                members.update(chain.from_iterable([of_worker[w] for w in members if w in of_worker]))
             stage = node.holders[0][1]
             if copies and len(node.holders) == len(schedule.stages) and stage not in every_pipeline:
                 every_pipeline[stage] = tuple((d, stage) for d in range(len(schedule.stages)))
