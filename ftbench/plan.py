@@ -154,6 +154,12 @@ def _grid_tables(pp: int, dp: int) -> tuple[list, bytes]:
     return replicas, _PAIRS[pp]
 
 
+def grid_replicas(pp: int, dp: int) -> list[tuple[tuple[int, int]]]:
+    """Grid worker w -> ((pipeline, stage),) of the regular pp x dp grid (w = pipeline * pp +
+    stage): holds tuples shared by every plan, as long as the list is not changed."""
+    return _grid_tables(pp, dp)[0]
+
+
 def _records(row: tuple[int, ...], first: int, end: int) -> list[tuple[int, int]]:
     """The records of pipelines first..end-1 whose workers run the templates `row`."""
     records = _RECORDS.setdefault(row, [])

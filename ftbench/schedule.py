@@ -14,7 +14,7 @@ from __future__ import annotations
 import marshal
 from array import array
 from collections import Counter, defaultdict, deque
-from itertools import chain
+from itertools import chain, repeat
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -122,6 +122,11 @@ class GridOps(MutableMapping):
         del self.of[w]
         self._lists.pop(w, None)
         self.run = self._parts = None
+
+    def set_parts(self, parts: list[tuple[PartFlows, list[tuple[int, int]]]]) -> None:
+        """Give `parts()` as the builder knows it: each part's records by worker, parts by their
+        first worker (the order parts() finds them in)."""
+        self._parts = parts
 
     def parts(self) -> list[tuple[PartFlows, list[tuple[int, int]]]] | None:
         """When every worker runs a bound template and no list was handed out: the parts, as
@@ -268,17 +273,16 @@ def replica_pipelines(schedule: Schedule, pipeline: int) -> list[int]:
     return [d for d, n in enumerate(schedule.stages) if n == schedule.stages[pipeline]]
 
 
-def sync_inputs(schedule: Schedule, sync: GradientSync, present=None, has=None, absent=frozenset()) -> list[Op]:
+def sync_inputs(schedule: Schedule, sync: GradientSync, present=None, has=None, only=None) -> list[Op]:
     """Every op producing a weight gradient of the sync's fragment (of the `present` pipelines;
-    default all): the all-reduce's inputs. `has`: as in `dependencies`. `absent`: (pipeline,
-    micro-batch) flows left out (the simulator times one copy of identical parts)."""
+    default all): the all-reduce's inputs. `has`: as in `dependencies`. `only`: pipeline -> the
+    only micro-batches of it to count (the simulator times one copy of identical parts, and
+    leaves the copies' flows out)."""
     has = has or schedule.has
     ops = []
     for d, stage in sync.holders:
         if present is None or d in present:
-            for m in range(schedule.microbatches[d]):
-                if absent and (d, m) in absent:
-                    continue
+            for m in (only.get(d, range(schedule.microbatches[d])) if only else range(schedule.microbatches[d])):
                 w = _op((W, stage, m, d))
                 ops.append(w if has(w) else _op((BW, stage, m, d)))
     return ops
@@ -348,37 +352,29 @@ def _part_coverage_problems(schedule: Schedule, parts) -> list[str]:
     pipeline is stepped once by one of its replicas."""
     ops, n = schedule.ops, len(schedule.stages)
     problems: list[str] = []
-    local_ok: dict[tuple, list[str]] = {}
-    whole, single, steps = Counter(), Counter(), Counter()
-    opt_of: dict[int, list[tuple[int, int]]] = {}  # template id -> its steps (stage, local pipeline)
+    local_ok: dict[tuple, tuple[list[str], list]] = {}  # shape -> (its problems, its steps (local pipeline, stage))
+    wholes, singles, stepped_list = [], [], []
+    stages_of, counts_of = schedule.stages.__getitem__, schedule.microbatches
     for flows, members in parts:
         pipes, mbs = flows
-        if len(set(pipes)) != len(pipes) or len(mbs) != len(pipes) or not all(0 <= d < n for d in pipes):
+        if len(set(pipes)) != len(pipes) or len(mbs) != len(pipes) or min(pipes) < 0 or max(pipes) >= n:
             problems.append(f"part of workers {[w for w, _ in members][:4]} names pipelines {pipes[:8]}: "
                             "each must be a distinct pipeline of the schedule")
             continue
-        tids = tuple(sorted(t for _, t in members))
-        shape = (tids, tuple(schedule.stages[d] for d in pipes), tuple(map(len, mbs)))
+        shape = (tuple(sorted([t for _, t in members])), tuple(map(stages_of, pipes)), tuple(map(len, mbs)))
         found = local_ok.get(shape)
         if found is None:
-            one = Schedule({i: [Op(*op) for op in ops.templates[t]] for i, t in enumerate(tids)},
-                           stages=shape[1], microbatches=shape[2])
-            stepped = {(st, p) for p, count in enumerate(shape[1]) for st in range(count)}  # checked globally
-            found = local_ok[shape] = [f"{problem} (local, in a part of shape {tids[:4]})" for problem in
-                                       _problems_of(one, Counter(op for w in one.ops for op in one.ops[w]),
-                                                    range(len(pipes)), stepped)]
-        if found:
-            problems += found
+            found = local_ok[shape] = _shape_coverage(ops.templates, *shape)
+        if found[0]:
+            problems += found[0]
             continue
-        for p, d in enumerate(pipes):
-            if mbs[p] == identity(schedule.microbatches[d]):
-                whole[d] += 1
+        for d, ks in zip(pipes, mbs):
+            if len(ks) == counts_of[d] and ks == identity(len(ks)):
+                wholes.append(d)
             else:
-                single.update((d, m) for m in mbs[p])
-        for t in tids:
-            if t not in opt_of:
-                opt_of[t] = [(st, p) for k, st, _, p in ops.templates[t] if k == OPT]
-            steps.update([(pipes[p], st) for st, p in opt_of[t]])
+                singles.extend(zip(repeat(d), ks))
+        stepped_list.extend([(pipes[p], st) for p, st in found[1]])
+    whole, single, steps = Counter(wholes), Counter(singles), Counter(stepped_list)
     stepped_at = {(schedule.stages[d], st) for d, st in steps}
     for d in range(n):
         if whole[d] > 1:
@@ -400,6 +396,18 @@ def _part_coverage_problems(schedule: Schedule, parts) -> list[str]:
             if missing:
                 problems.append(f"micro-batches {missing[:4]} of pipeline {d} are run by no part")
     return problems
+
+
+def _shape_coverage(templates, tids, stages, microbatches) -> tuple[list[str], list[tuple[int, int]]]:
+    """(problems, steps as (local pipeline, stage)) of one shape of bound part: its templates
+    `tids` as a small schedule of local pipelines with these stage and micro-batch counts, in
+    which every local flow must run whole (steps are checked across parts)."""
+    one = Schedule({i: [Op(*op) for op in templates[t]] for i, t in enumerate(tids)},
+                   stages=stages, microbatches=microbatches)
+    stepped = {(st, p) for p, count in enumerate(stages) for st in range(count)}
+    problems = _problems_of(one, Counter(op for w in one.ops for op in one.ops[w]), range(len(stages)), stepped)
+    steps = [(op.pipeline, op.stage) for w in one.ops for op in one.ops[w] if op.kind == OPT]
+    return [f"{problem} (local, in a part of shape {tids[:4]})" for problem in problems], steps
 
 
 _SPLIT, _FUSED = {F, B, W}, {F, BW}
@@ -476,7 +484,7 @@ def _grid_covered(schedule: Schedule) -> bool:
 
 
 def dependency_graph(schedule: Schedule, present: set[int] | None = None,
-                     layout: Layout | None = None, workers=None, has=None, absent=frozenset()) -> dict:
+                     layout: Layout | None = None, workers=None, has=None, only=None) -> dict:
     """node -> the nodes it waits for, for every op and every GradientSync some step waits
     for. A sync waits for the weight gradients of the `present` pipelines only (default: all).
     `layout`: the plan's fragments (ftbench.layers.fragment_layout; default: stage_layout).
@@ -492,7 +500,7 @@ def dependency_graph(schedule: Schedule, present: set[int] | None = None,
             if op.kind == OPT:
                 for sync in deps[op]:
                     if id(sync) not in done and sync not in deps:
-                        deps[sync] = sync_inputs(schedule, sync, present, has, absent)
+                        deps[sync] = sync_inputs(schedule, sync, present, has, only)
                     done.add(id(sync))
     return deps
 

@@ -41,7 +41,7 @@ from ftbench.actions import FILE, Rendezvous, SyncFromPeers
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
-from ftbench.plan import Plan, holds_from_schedule
+from ftbench.plan import Plan, grid_replicas
 from ftbench.planning.library import METHODS, PlanLibrary, forms_up_to
 from ftbench.planning.problem import PlanningError, normalise, problem_for
 from ftbench.schedule import NO_MICROBATCH, OPT, GridOps, Op, PartFlows, Schedule, grid_worker
@@ -118,8 +118,9 @@ class ReCycle(CheckpointRestart):
         schedule = Schedule(ops, stages=(pp,) * dp, microbatches=(self.ctx.microbatches,) * dp,
                             name=f"recycle-{self.level}")
         label = "fault-free" if not self.failed else f"{len(self.failed)} re-routed"
+        replicas = grid_replicas(pp, dp)  # every survivor keeps (and steps) its own stage replica
         return Plan(schedule=schedule, partition=(self.ctx.cost_model.balanced_partition(pp),) * dp,
-                    holds=holds_from_schedule(schedule), node_of={w: cluster.node_of(w) for w in ops},
+                    holds={w: replicas[w] for w in ops}, node_of=dict(zip(ops, map(cluster.node_of, ops))),
                     name=f"recycle-{self.level} ({label})", staggered_optimizer=self.level == "staggered")
 
     def nodes_in_use(self) -> set[int]:
@@ -195,7 +196,7 @@ def _grid_ops(stored, order: list[int], pp: int) -> GridOps:
     orders become bound templates, once, and each part only names its real flows
     (PartFlows), so a large grid's thousands of parts, re-routed or not, are never built op
     by op. Every worker steps its own stage replica last."""
-    templates, of = [], {}
+    templates, of, members = [], {}, []
     for shape, orders, parts in stored.shaped:
         ids = {}
         for pos, order_ in orders.items():
@@ -203,7 +204,11 @@ def _grid_ops(stored, order: list[int], pp: int) -> GridOps:
             templates.append(tuple((op.kind, op.stage, op.microbatch, op.pipeline) for op in order_)
                              + ((OPT, pos[1], NO_MICROBATCH, pos[0]),))
         for part in parts:
-            flows = PartFlows(tuple(order[i] for i in part.pipeline_of), part.microbatches)
-            for (i, s), local in part.local.items():
-                of[grid_worker(order[i], s, pp)] = (ids[local], flows)
-    return GridOps(tuple(templates), dict(sorted(of.items())))
+            flows = PartFlows(tuple([order[i] for i in part.pipeline_of]), part.microbatches)
+            records = sorted((grid_worker(order[i], s, pp), ids[local]) for (i, s), local in part.local.items())
+            of.update((w, (tid, flows)) for w, tid in records)
+            members.append((flows, records))
+    ops = GridOps(tuple(templates), dict(sorted(of.items())))
+    members.sort(key=lambda part: part[1][0][0])
+    ops.set_parts(members)  # what GridOps.parts would find, known here already
+    return ops

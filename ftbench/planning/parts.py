@@ -117,65 +117,96 @@ def _split_pipelines(problem: PlanningProblem) -> list[tuple[PartProblem, list[P
     """`_split` when whole pipelines failed, in O(pipelines + re-routed micro-batches): the
     same parts, keys and order as the general path, without tracing each flow's route (a
     large grid has a hundred thousand flows, and this runs at every failure)."""
-    pp, m = problem.pp, problem.microbatches
+    pp, m, dp = problem.pp, problem.microbatches, problem.dp
     routes = problem.stage_routes[0] if problem.failed else {}  # the same at every stage
-    taken = defaultdict(list)  # peer -> its foreign (pipeline, micro-batch) flows
-    for flow, peer in routes.items():
-        taken[peer].append(flow)
-    failed = {d for d, _ in problem.failed}
-    # Parts in the order the general path finds them: untouched pipelines, then by first touch.
-    order = [d for d in range(problem.dp) if d not in failed and d not in taken]
-    seen = set(order)
-    for d in sorted(failed | set(taken)):
-        for e in ([routes[(d, k)] for k in range(m)] if d in failed else [d]):
-            if e not in seen:
-                seen.add(e)
-                order.append(e)
-    hops = pipeline_hops(problem)
-    own = identity(m)  # one shared tuple: every pipeline's own micro-batches
-    shapes: dict[tuple, tuple[PartProblem, list[Part]]] = {}
-    keys: dict[tuple, tuple] = {}  # a cheap stand-in -> the full key (hashing it is costly)
-    for e in order:
-        count = defaultdict(int, {e: m})
-        for f, _ in taken.get(e, ()):
-            count[f] += 1
-        pipelines = sorted(count, key=lambda d: (-count[d], d))
-        p = pipelines.index(e)
-        workers = [(e, s) for s in range(pp)]
-        local = {(e, s): (p, s) for s in range(pp)}
-        if len(pipelines) == 1:
-            microbatches = (own,)
+    failed = sorted({d for d, _ in problem.failed})
+    # The re-routed flows by failed pipeline, then micro-batch (how `_reroute` lists them).
+    peers = list(routes.values())
+    fs, ks = [f for f, _ in routes], [k for _, k in routes]
+    taken_f, taken_k = defaultdict(list), defaultdict(list)  # peer -> its foreign flows' pipelines, micro-batches
+    for peer, f, k in zip(peers, fs, ks):
+        taken_f[peer].append(f)
+        taken_k[peer].append(k)
+    # Parts in the order the general path finds them: untouched pipelines, then by first touch
+    # (a failed pipeline touches its peers in micro-batch order, a touched survivor itself).
+    failed_set = set(failed)
+    order = [d for d in range(dp) if d not in failed_set and d not in taken_f]
+    touches, chunk = [], {d: i for i, d in enumerate(failed)}
+    for d in sorted(failed_set | set(taken_f)):
+        i = chunk.get(d)
+        if i is None:
+            touches.append(d)
         else:
-            mbs = defaultdict(list)
-            for f, k in taken[e]:
+            touches += peers[i * m:(i + 1) * m]
+    order += dict.fromkeys(touches)
+    hop_class, hop_times = pipeline_hops(problem)
+    own = identity(m)  # one shared tuple: every pipeline's own micro-batches
+    one = [(k,) for k in range(m)]  # a single re-routed micro-batch k
+    at = [tuple((p, s) for s in range(pp)) for p in range(len(failed) + 1)]  # local positions of local pipeline p
+    positions = grid_positions(pp, dp)
+    shapes: dict[tuple, tuple[PartProblem, list[Part]]] = {}
+    # (local pipeline, flow counts, hop class, load) -> the shape's key and its entry in `shapes`
+    # (a key is long: hashing it once per part would cost more than the rest)
+    known: dict[tuple, tuple[tuple, list[Part]]] = {}
+    for e in order:
+        foreign = taken_f.get(e)
+        if foreign is None:
+            pipelines, p, counts, microbatches, load = [e], 0, (m,), (own,), m
+        elif m > 1 and len(set(foreign)) == len(foreign):  # one micro-batch from each: own pipeline first
+            pipelines, p, counts, load = [e, *foreign], 0, (m,) + (1,) * len(foreign), m + len(foreign)
+            microbatches = (own, *map(one.__getitem__, taken_k[e]))
+        else:
+            mbs = defaultdict(list)  # foreign pipeline -> its micro-batches here, in order
+            for f, k in zip(foreign, taken_k[e]):
                 mbs[f].append(k)
-            microbatches = tuple(own if d == e else tuple(sorted(mbs[d])) for d in pipelines)
-        caps = tuple(((p, s), problem.stash_cap(pos), problem.defer_cap(pos)) for s, pos in enumerate(workers))
-        stand_in = (p, tuple(count[d] for d in pipelines), hops[e], caps)
-        key = keys.get(stand_in)
-        if key is None:
-            flow = (tuple((p, s) for s in range(pp)), hops[e])
-            key = keys[stand_in] = (len(pipelines), (flow,) * sum(count.values()), caps)
-        part = Part(workers, local, pipelines, microbatches, key)
-        if key not in shapes:
-            shapes[key] = (PartProblem(problem, part, _shape_ops(problem, part, [local[w] for w in workers])), [])
-        shapes[key][1].append(part)
+            mbs[e] = own
+            pipelines = sorted(mbs, key=lambda d: (-len(mbs[d]), d))
+            p = pipelines.index(e)
+            counts = tuple(len(mbs[d]) for d in pipelines)
+            microbatches = tuple(tuple(mbs[d]) for d in pipelines)
+            load = m + len(foreign)
+        stand_in = (p, counts, hop_class[e], load)
+        workers = positions[e * pp:(e + 1) * pp]
+        found = known.get(stand_in)
+        if found is None:
+            caps = tuple((at[p][s], *problem._caps_at(s, load)) for s in range(pp))
+            key = (len(pipelines), ((at[p], hop_times[hop_class[e]]),) * sum(counts), caps)
+            part = Part(workers, dict(zip(workers, at[p])), pipelines, microbatches, key)
+            if key not in shapes:
+                shapes[key] = (PartProblem(problem, part, _shape_ops(problem, part, list(at[p]))), [])
+            found = known[stand_in] = (key, shapes[key][1])
+            found[1].append(part)
+            continue
+        found[1].append(Part(workers, dict(zip(workers, at[p])), pipelines, microbatches, found[0]))
     return list(shapes.values())
 
 
-def pipeline_hops(problem: PlanningProblem) -> list[tuple[float, ...]]:
-    """Per pipeline, the transfer time of each hop from stage s to s + 1 (whether it stays on a
-    node): fixed by the grid, so computed once per grid, not per failure."""
+def pipeline_hops(problem: PlanningProblem) -> tuple[list[int], list[tuple[float, ...]]]:
+    """(per pipeline, its class; per class, the transfer time of each hop from stage s to s + 1):
+    pipelines whose hops stay on or leave a node alike share a class. Fixed by the grid, so
+    computed once per grid, not per failure."""
     key = (problem.pp, problem.dp, problem.gpus_per_node, problem.placement, problem.intra_node_s,
            problem.inter_node_s)
     if key not in _HOPS:
         _HOPS.clear()  # one grid at a time
-        _HOPS[key] = [tuple(problem.transfer_s((d, s), (d, s + 1)) for s in range(problem.pp - 1))
-                      for d in range(problem.dp)]
+        classes: dict[tuple, int] = {}
+        of = [classes.setdefault(tuple(problem.transfer_s((d, s), (d, s + 1)) for s in range(problem.pp - 1)),
+                                 len(classes)) for d in range(problem.dp)]
+        _HOPS[key] = (of, list(classes))
     return _HOPS[key]
 
 
 _HOPS: dict[tuple, list] = {}
+
+
+def grid_positions(pp: int, dp: int) -> list[Position]:
+    """(pipeline, stage) of every grid worker, in grid order: one shared list per grid."""
+    if _POSITIONS.get("grid") != (pp, dp):
+        _POSITIONS.update(grid=(pp, dp), positions=[(d, s) for d in range(dp) for s in range(pp)])
+    return _POSITIONS["positions"]
+
+
+_POSITIONS: dict = {}
 
 
 def _shape_ops(problem: PlanningProblem, part: Part, route: list[Position]) -> dict[Position, list[Op]]:

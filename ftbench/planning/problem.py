@@ -19,7 +19,8 @@ import bisect
 import hashlib
 import json
 import math
-from collections import Counter
+from itertools import repeat
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
@@ -146,31 +147,39 @@ class PlanningProblem:
                 out[(e, s)] += n
         return out
 
+    def load_of(self, pos: Position) -> int:
+        """`load[pos]` without building the whole dict."""
+        return self.microbatches + self._extra[pos[1]].get(pos[0], 0)
+
+    @cached_property
+    def _extra(self) -> list[Counter]:
+        """Per stage, the re-routed micro-batches each peer takes (one Counter per distinct routing)."""
+        counts: dict[int, Counter] = {}
+        return [counts.setdefault(id(flows), Counter(flows.values())) for flows in self.stage_routes]
+
     def stash_cap(self, pos: Position) -> int:
         """Most micro-batches a worker may hold forwarded but not yet backpropagated (B or BW).
 
         Derived from memory: with `defer_cap` micro-batches waiting for their W, the worker's
         peak is static + cap x activation + defer_cap x weight stash + one backward's
         recompute working set, which must fit in `memory_bytes`; never more than its load."""
-        return self._caps[pos][0]
+        return self._caps_at(pos[1], self.load_of(pos))[0]
 
     def defer_cap(self, pos: Position) -> int:
         """Most micro-batches a worker may hold between B and W (decoupled only; 0 fused). W
         fills bubbles, but each deferred W keeps its weight stash: deferral gets the memory
         that 1F1B's stash (min(load, pp - s) micro-batches) leaves, and all of the load when
         that is enough."""
-        return self._caps[pos][1]
+        return self._caps_at(pos[1], self.load_of(pos))[1]
 
-    @cached_property
-    def _caps(self) -> dict[Position, tuple[int, int]]:
-        memo = {}  # the caps depend on the stage and the load only
-        out = {}
-        for pos, load in self.load.items():
-            caps = memo.get((pos[1], load))
-            if caps is None:
-                caps = memo[(pos[1], load)] = self._caps_of(pos[1], load)
-            out[pos] = caps
-        return out
+    def _caps_at(self, stage: int, load: int) -> tuple[int, int]:
+        """(stash cap, deferral cap) of a worker of `stage` running `load` micro-batches: they
+        depend on nothing else, so each pair is computed once."""
+        memo = self.__dict__.setdefault("_caps_memo", {})
+        caps = memo.get((stage, load))
+        if caps is None:
+            caps = memo[(stage, load)] = self._caps_of(stage, load)
+        return caps
 
     def _caps_of(self, stage: int, load: int) -> tuple[int, int]:
         t = self.stages[stage]
@@ -183,8 +192,13 @@ class PlanningProblem:
 
     def memory_shortfall(self) -> str | None:
         """Why no schedule of this problem fits in memory (None: one does)."""
-        for pos, (cap, _) in self._caps.items():
-            if cap < 1:
+        m = self.microbatches
+        loads = [{m + n for n in extra.values()} | ({m} if len(self.survivors(s)) > len(extra) else set())
+                 for s, extra in enumerate(self._extra)]  # the loads that occur, per stage
+        if all(self._caps_at(s, load)[0] >= 1 for s, of_stage in enumerate(loads) for load in of_stage):
+            return None
+        for pos in self.workers:  # name the first worker that cannot hold one micro-batch
+            if self.stash_cap(pos) < 1:
                 t = self.stages[pos[1]]
                 need = t.static_bytes + t.activation_bytes + t.recompute_bytes + (
                     t.weight_stash_bytes if self.decoupled else 0.0)
@@ -273,18 +287,19 @@ def _reroute(failed: tuple[int, ...], survivors: list[int], m: int, dp: int) -> 
     for d in failed:
         k = 0
         while k < m:
-            start = bisect.bisect_right(low, d)
-            ring = low[start:] + low[:start]  # ring distance from d, nearest first
-            take = ring[:m - k]
-            for peer in take:
-                out[(d, k)] = peer
-                k += 1
-            if len(take) == len(low):
-                low, high = sorted(high + take), []
+            start, r = bisect.bisect_right(low, d), min(m - k, len(low))
+            # the r nearest after d along the ring: a run of `low` from `start`, wrapping
+            if start + r <= len(low):
+                take, rest = low[start:start + r], low[:start] + low[start + r:]
             else:
-                taken = set(take)
-                low = [e for e in low if e not in taken]
-                high += take
+                wrap = start + r - len(low)
+                take, rest = low[start:] + low[:wrap], low[wrap:start]
+            out.update(zip(zip(repeat(d), range(k, k + r)), take))
+            k += r
+            if rest:
+                low, high = rest, high + take
+            else:
+                low, high = sorted(high + take), []
     return out
 
 
@@ -292,7 +307,11 @@ def normalise(failed, dp: int, pp: int) -> tuple[tuple[tuple[int, ...], ...], li
     """A failure configuration up to renaming pipelines: (per pipeline, its failed stages, in a
     canonical pipeline order) and `order`, where canonical pipeline i is real pipeline order[i].
     Configurations with the same form share one plan."""
-    by_pipeline = {d: tuple(sorted(s for e, s in failed if e == d)) for d in range(dp)}
+    stages_of = defaultdict(list)
+    for e, s in failed:
+        stages_of[e].append(s)
+    none = ()
+    by_pipeline = {d: tuple(sorted(stages_of[d])) if d in stages_of else none for d in range(dp)}
     # Most failed stages first, then by the stages themselves; stable in the real pipeline id.
     order = sorted(range(dp), key=lambda d: (-len(by_pipeline[d]), by_pipeline[d], d))
     return tuple(by_pipeline[d] for d in order), order

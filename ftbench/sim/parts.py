@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from operator import itemgetter
 
 from ftbench.schedule import NO_MICROBATCH, Op, PartFlows, identity
 from ftbench.union_find import DisjointSets
@@ -86,23 +87,39 @@ def bound_copies(parts, costs) -> list[BoundCopy]:
         return []
     node_of, partition, holds = plan.node_of, plan.partition, plan.holds
     split_id: dict[int, int] = {}  # id of a pipeline's partition (alive with the plan) -> a small number
+    kept: dict[int, tuple] = {}  # id of a holds entry (alive with the plan) -> its form
+    same_node = {}  # workers per part -> the pattern of one node for all
     first: dict[tuple, tuple] = {}
     out = []
     for flows, members in parts:
-        members = sorted(members, key=lambda record: record[1])  # by template: its place in the shape
-        workers = tuple(w for w, _ in members)
-        nodes: dict[int, int] = {}
-        key = (tuple(t for _, t in members),
-               tuple(split_id.setdefault(id(partition[d]), len(split_id)) for d in flows.pipelines),
-               tuple(nodes.setdefault(node_of[w], len(nodes)) for w in workers),
-               tuple(tuple((split_id.setdefault(id(partition[d]), len(split_id)), s) for d, s in holds.get(w, ()))
-                     for w in workers))
+        if len(members) > 1:
+            members = sorted(members, key=_template)  # by template: its place in the shape
+        workers = tuple(map(_worker, members))
+        nodes = list(map(node_of.__getitem__, workers))
+        if nodes.count(nodes[0]) == len(nodes):
+            pattern = same_node.get(len(nodes)) or same_node.setdefault(len(nodes), (0,) * len(nodes))
+        else:
+            relabel: dict[int, int] = {}
+            pattern = tuple([relabel.setdefault(n, len(relabel)) for n in nodes])
+        forms = []
+        for held in map(holds.get, workers):
+            form = kept.get(id(held))
+            if form is None:
+                form = kept[id(held)] = tuple((split_id.setdefault(id(partition[d]), len(split_id)), s)
+                                              for d, s in held or ())
+            forms.append(form)
+        key = (tuple(map(_template, members)),
+               tuple([split_id.setdefault(id(partition[d]), len(split_id)) for d in flows.pipelines]),
+               pattern, tuple(forms))
         rep = first.get(key)
         if rep is None:
             first[key] = (workers, flows, {})
         else:
             out.append(BoundCopy(dict(zip(rep[0], workers)), rep[1], flows, rep[2]))
     return out
+
+
+_worker, _template = itemgetter(0), itemgetter(1)
 
 
 def part_copies(schedule, costs, workers) -> list[PartCopy]:

@@ -140,16 +140,17 @@ class _Replicas:
             for wr, wc in part.workers.items():
                 self.copies_of_worker[wr].append(wc)
         self.absent_pipelines: set[int] = set()  # every flow of them runs in copied parts
-        self.absent_flows: frozenset = frozenset()  # other flows that run in copied parts
+        self.only: dict[int, list[int]] = {}  # other pipelines with flows in copied parts -> their other flows
 
     def leave_out(self, microbatches) -> None:
-        """Fill absent_pipelines and absent_flows (the schedule's micro-batch counts)."""
-        flows = []
+        """Fill absent_pipelines and `only` (the schedule's micro-batch counts)."""
+        absent = defaultdict(set)
         for part in self.parts:
             whole, some = part.absent(microbatches)
             self.absent_pipelines.update(whole)
-            flows += some
-        self.absent_flows = frozenset(flows)
+            for d, m in some:
+                absent[d].add(m)
+        self.only = {d: [m for m in range(microbatches[d]) if m not in ms] for d, ms in absent.items()}
 
     def rows(self, rep_rows: list) -> list:
         """The rows of every copy worker, from its representative's (in their order)."""
@@ -349,7 +350,7 @@ class Simulation:
         self.layout = layout_of(schedule, costs)
         # Every op of a present pipeline runs on a simulated worker, so `where` answers for them.
         deps = dependency_graph(schedule, present, self.layout, workers=run, has=where.__contains__,
-                                absent=replicas.absent_flows)
+                                only=replicas.only)
         self.graph = _Graph(schedule, costs, deps, run, where, _sync_costs(schedule, costs, deps, where, replicas))
         self._first_end: list[float] | None = None  # every node's end in a lone iteration
         self._sync_starts: dict | None = None
