@@ -14,10 +14,11 @@ from __future__ import annotations
 import marshal
 from array import array
 from collections import Counter, defaultdict, deque
-from itertools import chain, repeat
+from itertools import chain
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from functools import partial
+from operator import itemgetter
 from typing import NamedTuple
 
 from ftbench.layers import GradientSync, Layout, stage_layout
@@ -353,7 +354,7 @@ def _part_coverage_problems(schedule: Schedule, parts) -> list[str]:
     ops, n = schedule.ops, len(schedule.stages)
     problems: list[str] = []
     local_ok: dict[tuple, tuple[list[str], list]] = {}  # shape -> (its problems, its steps (local pipeline, stage))
-    wholes, singles, stepped_list = [], [], []
+    wholes, shared, stepped_list = [], defaultdict(list), []
     stages_of, counts_of = schedule.stages.__getitem__, schedule.microbatches
     for flows, members in parts:
         pipes, mbs = flows
@@ -372,29 +373,37 @@ def _part_coverage_problems(schedule: Schedule, parts) -> list[str]:
             if len(ks) == counts_of[d] and ks == identity(len(ks)):
                 wholes.append(d)
             else:
-                singles.extend(zip(repeat(d), ks))
+                shared[d] += ks
         stepped_list.extend([(pipes[p], st) for p, st in found[1]])
-    whole, single, steps = Counter(wholes), Counter(singles), Counter(stepped_list)
-    stepped_at = {(schedule.stages[d], st) for d, st in steps}
-    for d in range(n):
-        if whole[d] > 1:
-            problems.append(f"pipeline {d} is run whole by {whole[d]} parts")
-        for st in range(schedule.stages[d]):
-            if (schedule.stages[d], st) not in stepped_at:
-                problems.append(f"stage {st} of pipeline {d} has no optimizer step")
-    for (d, st), times in steps.items():
-        if times > 1:
-            problems.append(f"{Op(OPT, st, NO_MICROBATCH, d)} appears {times} times")
-    for (d, m), times in single.items():
-        if not 0 <= m < schedule.microbatches[d]:
-            problems.append(f"micro-batch {m} of pipeline {d} is outside the schedule's shape")
-        elif times > 1 or whole[d]:
-            problems.append(f"micro-batch {m} of pipeline {d} is run by {times + whole[d]} parts")
-    for d in range(n):
-        if not whole[d]:
-            missing = [m for m in range(schedule.microbatches[d]) if (d, m) not in single]
-            if missing:
-                problems.append(f"micro-batches {missing[:4]} of pipeline {d} are run by no part")
+    whole = Counter(wholes)
+    problems += [f"pipeline {d} is run whole by {times} parts" for d, times in whole.items() if times > 1]
+    for d, ks in shared.items():  # pipelines whose micro-batches several parts share
+        if d in whole or sorted(ks) != list(identity(counts_of[d])):
+            problems += _flow_problems(d, ks, counts_of[d], whole[d])
+    problems += [f"micro-batches {list(range(counts_of[d]))[:4]} of pipeline {d} are run by no part"
+                 for d in range(n) if d not in whole and d not in shared]
+    if len(set(stepped_list)) != len(stepped_list):
+        problems += [f"{Op(OPT, st, NO_MICROBATCH, d)} appears {times} times"
+                     for (d, st), times in Counter(stepped_list).items() if times > 1]
+    # each stage of each pipeline stepped by one of its replicas (a pipeline of the same length)
+    stepped_at = {(schedule.stages[d], st) for d, st in set(stepped_list)} if len(set(schedule.stages)) > 1 else \
+        {(schedule.stages[0], st) for st in set(map(itemgetter(1), stepped_list))}
+    for d, count in enumerate(schedule.stages):
+        problems += [f"stage {st} of pipeline {d} has no optimizer step" for st in range(count)
+                     if (count, st) not in stepped_at]
+    return problems
+
+
+def _flow_problems(d: int, ks: list[int], count: int, whole: int) -> list[str]:
+    """What is wrong with the micro-batches `ks` of pipeline d that parts name one by one
+    (`whole`: how many parts run all of d as well)."""
+    times = Counter(ks)
+    problems = [f"micro-batch {m} of pipeline {d} is outside the schedule's shape" for m in times if not 0 <= m < count]
+    problems += [f"micro-batch {m} of pipeline {d} is run by {n + whole} parts" for m, n in times.items()
+                 if 0 <= m < count and n + whole > 1]
+    missing = [m for m in range(count) if m not in times] if not whole else []
+    if missing:
+        problems.append(f"micro-batches {missing[:4]} of pipeline {d} are run by no part")
     return problems
 
 

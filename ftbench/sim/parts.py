@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from operator import itemgetter
 
-from ftbench.schedule import NO_MICROBATCH, Op, PartFlows, identity
+from ftbench.schedule import NO_MICROBATCH, OPT, Op, PartFlows, identity
 from ftbench.union_find import DisjointSets
 
 
@@ -33,10 +33,13 @@ class PartCopy:
         return Op(op.kind, op.stage, m, d)
 
 
-    def absent(self, microbatches) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
-        """(pipelines whose every flow this copy runs, the other flows it runs): left out of
-        the simulated all-reduce inputs."""
-        return (), list(self.flows.values())
+    def absent(self, microbatches) -> tuple[list[int], list[tuple[int, tuple[int, ...]]]]:
+        """(pipelines whose every flow this copy runs, [(pipeline, its other micro-batches this
+        copy runs)]): left out of the simulated all-reduce inputs."""
+        some = defaultdict(list)
+        for d, m in self.flows.values():
+            some[d].append(m)
+        return [], [(d, tuple(ms)) for d, ms in some.items()]
 
 
 class BoundCopy:
@@ -67,17 +70,17 @@ class BoundCopy:
         d, m = self._real(*self._local()[(op.pipeline, op.microbatch)])
         return Op(op.kind, op.stage, m, d)
 
-    def absent(self, microbatches) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
-        whole, flows = [], []
+    def absent(self, microbatches) -> tuple[list[int], list[tuple[int, tuple[int, ...]]]]:
+        whole, some = [], []
         for d, ks in zip(*self._own):
-            if ks == identity(microbatches[d]):
+            if len(ks) == microbatches[d] and ks == identity(len(ks)):
                 whole.append(d)
             else:
-                flows += [(d, k) for k in ks]
-        return tuple(whole), flows
+                some.append((d, ks))
+        return whole, some
 
 
-def bound_copies(parts, costs) -> list[BoundCopy]:
+def bound_copies(parts, costs, templates) -> list[BoundCopy]:
     """Copies of identical bound parts (GridOps.parts), each mapped onto its representative:
     parts with the same templates, the same layer split per local pipeline, the same
     node-sharing pattern and the same kept state worker for worker time out alike. Costs
@@ -87,7 +90,14 @@ def bound_copies(parts, costs) -> list[BoundCopy]:
         return []
     node_of, partition, holds = plan.node_of, plan.partition, plan.holds
     split_id: dict[int, int] = {}  # id of a pipeline's partition (alive with the plan) -> a small number
-    kept: dict[int, tuple] = {}  # id of a holds entry (alive with the plan) -> its form
+    step: dict[int, tuple] = {}  # template id -> its one step (local pipeline, stage), or () if not one
+
+    def steps_of(tid: int) -> tuple:
+        found = step.get(tid)
+        if found is None:
+            steps = [(op[3], op[1]) for op in templates[tid] if op[0] == OPT]
+            found = step[tid] = steps[0] if len(steps) == 1 else (-1, -1)  # -1: never a plain grid replica
+        return found
     same_node = {}  # workers per part -> the pattern of one node for all
     first: dict[tuple, tuple] = {}
     out = []
@@ -101,16 +111,16 @@ def bound_copies(parts, costs) -> list[BoundCopy]:
         else:
             relabel: dict[int, int] = {}
             pattern = tuple([relabel.setdefault(n, len(relabel)) for n in nodes])
-        forms = []
-        for held in map(holds.get, workers):
-            form = kept.get(id(held))
-            if form is None:
-                form = kept[id(held)] = tuple((split_id.setdefault(id(partition[d]), len(split_id)), s)
-                                              for d, s in held or ())
-            forms.append(form)
-        key = (tuple(map(_template, members)),
-               tuple([split_id.setdefault(id(partition[d]), len(split_id)) for d in flows.pipelines]),
-               pattern, tuple(forms))
+        tids = tuple(map(_template, members))
+        pipes = flows.pipelines
+        # The state each worker keeps: usually exactly the replica it steps, which its template
+        # and the part's pipelines already fix; else each replica by its layers.
+        if all(holds.get(w) == ((pipes[p], st),) for w, (p, st) in zip(workers, map(steps_of, tids))):
+            forms = None
+        else:
+            forms = tuple(tuple((split_id.setdefault(id(partition[d]), len(split_id)), s) for d, s in holds.get(w, ()))
+                          for w in workers)
+        key = (tids, tuple([split_id.setdefault(id(partition[d]), len(split_id)) for d in pipes]), pattern, forms)
         rep = first.get(key)
         if rep is None:
             first[key] = (workers, flows, {})

@@ -148,8 +148,8 @@ class _Replicas:
         for part in self.parts:
             whole, some = part.absent(microbatches)
             self.absent_pipelines.update(whole)
-            for d, m in some:
-                absent[d].add(m)
+            for d, ms in some:
+                absent[d].update(ms)
         self.only = {d: [m for m in range(microbatches[d]) if m not in ms] for d, ms in absent.items()}
 
     def rows(self, rep_rows: list) -> list:
@@ -195,7 +195,7 @@ def _replica_classes(schedule: Schedule, costs) -> _Replicas:
     ops = schedule.ops
     parts = ops.parts() if isinstance(ops, GridOps) else None
     if parts is not None:  # bound parts (ReCycle's plans): compared by templates and flows
-        return _Replicas({}, {}, bound_copies(parts, costs))
+        return _Replicas({}, {}, bound_copies(parts, costs, ops.templates))
     if isinstance(ops, GridOps) and ops.regular() is not None:
         fast = _grid_classes(schedule, costs, ops.regular())
         if fast is not None:
@@ -284,6 +284,18 @@ def _uniform_layout(stages: tuple[int, ...], partition) -> Layout | None:
     first = partition[0]
     if not all(p is first or p == first for p in partition[:dp]):
         return None
+    key = (dp, stages[0], first)
+    if key not in _UNIFORM:  # the same grid's layout, plan after plan: built once
+        if len(_UNIFORM) >= 8:
+            _UNIFORM.pop(next(iter(_UNIFORM)))
+        _UNIFORM[key] = _uniform(dp, stages, partition)
+    return _UNIFORM[key]
+
+
+_UNIFORM: dict[tuple, Layout] = {}
+
+
+def _uniform(dp: int, stages: tuple[int, ...], partition) -> Layout:
     one = fragment_layout(stages[:1], partition[:1])
     layout = Layout.__new__(Layout)  # what Layout(syncs) builds, without a list per position
     layout.syncs = [GradientSync(sync.units, tuple((d, s) for d in range(dp) for _, s in sync.holders))
