@@ -168,6 +168,7 @@ class PlanCosts:
     def __init__(self, model: CostModel, plan: Plan):
         self.model, self.plan = model, plan
         self._stages: dict[tuple[int, int], StageCost] = {}  # (pipeline, stage) -> its costs
+        self._by_layers: dict[tuple, StageCost] = {}  # (layers, first, last) -> its costs
         self._own: dict[int, tuple] = {}  # stage -> ((True, stage),): pipeline_signature's usual form
         self._boundary: dict[bool, float] = {}  # same node? -> seconds of a boundary transfer
 
@@ -182,9 +183,12 @@ class PlanCosts:
 
     def _stage(self, pipeline: int, stage: int) -> StageCost:
         cost = self._stages.get((pipeline, stage))
-        if cost is None:
-            cost = self._stages[(pipeline, stage)] = self.model.stage(
-                self.plan.layers(pipeline, stage), stage == 0, self.plan.is_last_stage(pipeline, stage))
+        if cost is None:  # replicas of one layer range share a cost (thousands of pipelines at scale)
+            of = (self.plan.layers(pipeline, stage), stage == 0, self.plan.is_last_stage(pipeline, stage))
+            cost = self._by_layers.get(of)
+            if cost is None:
+                cost = self._by_layers[of] = self.model.stage(*of)
+            self._stages[(pipeline, stage)] = cost
         return cost
 
     def op_time(self, op: Op) -> float:

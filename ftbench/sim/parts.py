@@ -80,16 +80,17 @@ class BoundCopy:
         return whole, some
 
 
-def bound_copies(parts, costs, templates) -> list[BoundCopy]:
-    """Copies of identical bound parts (GridOps.parts), each mapped onto its representative:
-    parts with the same templates, the same layer split per local pipeline, the same
-    node-sharing pattern and the same kept state worker for worker time out alike. Costs
-    objects without a `plan` get none."""
+def bound_copies(parts, costs, templates) -> tuple[list[BoundCopy], list[PartFlows]] | None:
+    """(copies of identical bound parts (GridOps.parts), each mapped onto its representative;
+    the representatives' flows): parts with the same templates, the same layer split per local
+    pipeline, the same node-sharing pattern and the same kept state worker for worker time out
+    alike. None for costs objects without a `plan`."""
     plan = getattr(costs, "plan", None)
     if plan is None:
-        return []
+        return None
     node_of, partition, holds = plan.node_of, plan.partition, plan.holds
     split_id: dict[int, int] = {}  # id of a pipeline's partition (alive with the plan) -> a small number
+    split_of = [split_id.setdefault(id(layers), len(split_id)) for layers in partition]
     step: dict[int, tuple] = {}  # template id -> its one step (local pipeline, stage), or () if not one
 
     def steps_of(tid: int) -> tuple:
@@ -102,7 +103,8 @@ def bound_copies(parts, costs, templates) -> list[BoundCopy]:
     first: dict[tuple, tuple] = {}
     out = []
     for flows, members in parts:
-        if len(members) > 1:
+        tids = list(map(_template, members))
+        if tids != sorted(tids):
             members = sorted(members, key=_template)  # by template: its place in the shape
         workers = tuple(map(_worker, members))
         nodes = list(map(node_of.__getitem__, workers))
@@ -120,13 +122,13 @@ def bound_copies(parts, costs, templates) -> list[BoundCopy]:
         else:
             forms = tuple(tuple((split_id.setdefault(id(partition[d]), len(split_id)), s) for d, s in holds.get(w, ()))
                           for w in workers)
-        key = (tids, tuple([split_id.setdefault(id(partition[d]), len(split_id)) for d in pipes]), pattern, forms)
+        key = (tids, tuple(map(split_of.__getitem__, pipes)), pattern, forms)
         rep = first.get(key)
         if rep is None:
             first[key] = (workers, flows, {})
         else:
             out.append(BoundCopy(dict(zip(rep[0], workers)), rep[1], flows, rep[2]))
-    return out
+    return out, [flows for _, flows, _ in first.values()]
 
 
 _worker, _template = itemgetter(0), itemgetter(1)

@@ -36,8 +36,8 @@ from collections.abc import Mapping
 
 from ftbench.layers import Layout, fragment_layout, stage_layout
 from ftbench.sim.parts import PartCopy, bound_copies, part_copies
-from ftbench.schedule import (B, BW, F, OPT, W, GradientSync, GridOps, Op, Schedule, dependency_graph, indexed_graph,
-                              kahn_order, read_ops, sync_inputs, topological_order)
+from ftbench.schedule import (B, BW, F, OPT, W, GradientSync, GridOps, Op, PartFlows, Schedule, dependency_graph,
+                              identity, indexed_graph, kahn_order, read_ops, sync_inputs, topological_order)
 
 
 def overlapped_sync_s(allreduce_s: float, buckets: int, backward_s: float) -> float:
@@ -128,7 +128,9 @@ class _Replicas:
     """Identical self-contained pipelines: each copy pipeline times out exactly as its
     representative, worker for worker in stage order."""
 
-    def __init__(self, copies: dict[int, int], ordered: dict[int, tuple[int, ...]], parts: list[PartCopy] = ()):
+    def __init__(self, copies: dict[int, int], ordered: dict[int, tuple[int, ...]], parts: list[PartCopy] = (),
+                 simulated: list[PartFlows] | None = None):
+        self.simulated = simulated  # bound parts: the representatives' flows (every other flow is copied)
         self.copies = copies  # copy pipeline -> its representative
         self.ordered = ordered  # self-contained pipeline -> its workers in stage order (tuples of ints: the
         # garbage collector stops tracking them, so thousands kept cost no collection time)
@@ -144,6 +146,17 @@ class _Replicas:
 
     def leave_out(self, microbatches) -> None:
         """Fill absent_pipelines and `only` (the schedule's micro-batch counts)."""
+        if self.simulated is not None:  # from the few simulated parts, not the thousands of copies
+            whole, some = set(), defaultdict(list)
+            for flows in self.simulated:
+                for d, ks in zip(*flows):
+                    if len(ks) == microbatches[d] and ks == identity(len(ks)):
+                        whole.add(d)
+                    else:
+                        some[d] += ks
+            self.absent_pipelines = set(range(len(microbatches))) - whole - set(some)
+            self.only = {d: sorted(ks) for d, ks in some.items() if d not in whole}
+            return
         absent = defaultdict(set)
         for part in self.parts:
             whole, some = part.absent(microbatches)
@@ -195,7 +208,8 @@ def _replica_classes(schedule: Schedule, costs) -> _Replicas:
     ops = schedule.ops
     parts = ops.parts() if isinstance(ops, GridOps) else None
     if parts is not None:  # bound parts (ReCycle's plans): compared by templates and flows
-        return _Replicas({}, {}, bound_copies(parts, costs, ops.templates))
+        found = bound_copies(parts, costs, ops.templates)
+        return _Replicas({}, {}, *found) if found is not None else _Replicas({}, {})
     if isinstance(ops, GridOps) and ops.regular() is not None:
         fast = _grid_classes(schedule, costs, ops.regular())
         if fast is not None:
