@@ -91,6 +91,8 @@ class BackendConfig:
     threads: Optional[int] = None  # local/dist: torch threads; None: from usable CPUs and model size (threads.py)
     timeout_s: float = 60.0  # dist: deadline of every point-to-point and collective wait, s
     deadline_s: Optional[float] = None  # dist: deadline of the whole job, s; None: timeout_s x (iterations + 10)
+    unannounced: str = "recover"  # dist: a death no failure script announced (a crash): recover | stop
+    kill: Optional[str] = None  # dist, chaos tests: "RANK:ITERATION:OPS", that process dies unannounced there
 
 
 @dataclass

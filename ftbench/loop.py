@@ -72,6 +72,17 @@ class Backend(Protocol):
         """The run is over: wait for anything still in the background."""
 
 
+class FailuresDiscovered(Exception):
+    """Raised by a backend's run_iteration: `nodes` died during the iteration in flight without
+    any failure script announcing it (a real crash), nothing of that iteration is kept, and
+    the survivors are ready to go on without them (dist: backend.unannounced=recover). The run
+    loop then treats each as a failure striking at the start of that iteration."""
+
+    def __init__(self, nodes: list[int], why: str = ""):
+        super().__init__(f"nodes {nodes} failed unannounced" + (f": {why}" if why else ""))
+        self.nodes, self.why = list(nodes), why
+
+
 @dataclass
 class LoopOutcome(RunOutcome):
     losses: list[float] = field(default_factory=list)  # per iteration; nan where none was computed
@@ -294,7 +305,11 @@ class RunLoop:
             return
         for _ in range(n):
             started = time.perf_counter()
-            loss = self.backend.run_iteration(self.plan, self.it)
+            try:
+                loss = self.backend.run_iteration(self.plan, self.it)
+            except FailuresDiscovered as found:
+                self._discovered(found)
+                return
             measured = time.perf_counter() - started
             if self.modelled:
                 self.t += T
@@ -354,6 +369,24 @@ class RunLoop:
         else:
             self.backend.lose_unfinished_persist()
         self._ask_strategy(event)
+
+    def _discovered(self, found: FailuresDiscovered) -> None:
+        """Nodes that died unannounced in the iteration in flight (the backend has rolled the
+        survivors back to its start): each fails as a scripted failure striking at fraction 0."""
+        for node in found.nodes:
+            if not self.cluster.is_alive(node) or self.out.status != "ok":
+                continue
+            self.cluster.fail(node)
+            self.out.failures += 1
+            self.log({"event": "fail", "node": node, "time_s": self.now(), "iteration": self.it,
+                      "unannounced": found.why or True})
+            if self.modelled:
+                lost = self.ckpt.ledger.drop_not_durable(self.now())
+                if lost:
+                    self.backend.drop_checkpoints(lost)
+            else:
+                self.backend.lose_unfinished_persist()
+            self._ask_strategy(FailureEvent(node, iteration=self.it))
 
     def _point(self, timeline: SimResult, fraction: float) -> frozenset:
         """The ops completed `fraction` into the timeline, resolved once per (timeline, fraction)."""

@@ -42,8 +42,13 @@ from ftbench.schedule import F, OPT, Op, dependency_graph, topological_order
 
 class DistEngine:
     def __init__(self, ctx, data, lr: float, weight_decay: float, dtype: torch.dtype, transport: DistTransport,
-                 device: torch.device, store=None, recompute: str = "none"):
+                 device: torch.device, store=None, recompute: str = "none", undo: bool = False,
+                 kill: tuple[int, int, int] | None = None):
         self.ctx, self.data, self.lr, self.weight_decay = ctx, data, lr, weight_decay
+        # backend.unannounced=recover: each replica's state at the start of the iteration in
+        # flight, so an unannounced death rolls the survivors back to it (None: not kept)
+        self.undo, self._undo = undo, None
+        self.kill = kill  # backend.kill: (rank, iteration, ops) where this job's chaos test dies
         self.recompute = recompute  # train.recompute, as the local backend's executor takes it
         self.dtype, self.transport, self.device, self.store = dtype, transport, device, store
         self.rank = transport.rank
@@ -133,7 +138,13 @@ class DistEngine:
             extra = {} if self.recompute == "none" else {"recompute": self.recompute}
             transport = self.transport if completed is None else _CutTransport(self.transport, plan, completed)
             executor = WorkerExecutor(self.worker, transport, plan, tokens, normaliser, **extra)
-            for step in steps:
+            if self.undo and completed is None:
+                self._undo = {layers: r.shard() for layers, r in self.worker.replicas.items()}
+            dies_after = self.kill[2] if self.kill and self.kill[:2] == (self.rank, iteration) and completed is None \
+                else None
+            for done, step in enumerate(steps):
+                if done == dies_after:
+                    os.kill(os.getpid(), signal.SIGKILL)  # backend.kill: a death the run loop was not told of
                 if step[0] == "start":
                     executor.reduce_start(step[1], members[step[1]])
                     continue
@@ -166,6 +177,18 @@ class DistEngine:
     def _track_memory(self) -> None:
         state = sum(r.state_bytes() for r in self.worker.replicas.values())
         self.peak_memory = max(self.peak_memory, state + self.worker.peak_activation_bytes)
+
+    def roll_back(self) -> None:
+        """An unannounced death cut the iteration in flight: drop it, and give every replica
+        back the state it had when the iteration began (some may have stepped already)."""
+        self.abandon_iteration()
+        if self.worker is None:
+            return  # a standby: no state
+        if self._undo is None:
+            raise DistError(f"rank {self.rank} kept no state from before the iteration to roll back to")
+        for layers, shard in self._undo.items():
+            self.worker.replicas[layers].load(shard["model"], shard["optim"])
+        self._undo = None
 
     def abandon_iteration(self) -> None:
         """The iteration in flight is lost: drop its stash, deferred W and gradients, and every
@@ -309,8 +332,9 @@ class DistBackend:
     cuts_ops = True
 
     def __init__(self, engine: DistEngine, gpus_per_node: int = 1, active_nodes: int | None = None,
-                 membership_store=None, realtime: bool = True):
+                 membership_store=None, realtime: bool = True, recover: bool = False):
         self.engine = engine
+        self.recover = recover  # backend.unannounced=recover (with the membership store)
         self._measured_persist = False
         self._peaks: dict[int, float] = {}
         t = engine.transport
@@ -331,7 +355,12 @@ class DistBackend:
 
     def run_iteration(self, plan, iteration: int) -> float:
         started = time.perf_counter()
-        loss = self.engine.run_iteration(plan, iteration)
+        try:
+            loss = self.engine.run_iteration(plan, iteration)
+        except (DistError, RuntimeError) as err:  # a wait that ended badly: did a process die?
+            if self.store is None:
+                raise
+            self._unannounced(err, plan, iteration)  # raises FailuresDiscovered, or the error
         if self._first_after is not None:
             self._first_after["first_iteration_s"] = time.perf_counter() - started
             self._first_after = None
@@ -370,6 +399,49 @@ class DistBackend:
                          "detection_s": detect_s, "agreement_s": agree_s,
                          "new_group_s": time.perf_counter() - started, "struck_to_regrouped_s": 0.0}
         self._pending["struck_to_regrouped_s"] = time.perf_counter() - struck
+
+    def _unannounced(self, err: BaseException, plan, iteration: int) -> None:
+        """A wait of iteration `iteration` failed. If processes died (a crash no failure script
+        announced), their nodes fail: the node's other processes stop too, the survivors agree
+        on the dead, roll their replicas back to the iteration's start (backend.unannounced=
+        recover) and raise FailuresDiscovered for the run loop, which asks the strategy as for
+        a failure at that iteration's start. Else, or with unannounced=stop, the error stands."""
+        from ftbench.dist.membership import MembershipError, agree, detect
+        from ftbench.loop import FailuresDiscovered
+
+        engine, t = self.engine, self.engine.transport
+        struck = time.perf_counter()
+        try:
+            # The peers of a dead rank fail at once; ranks waiting on those peers only at their
+            # own deadline: allow for both before giving up on agreement.
+            dead, detect_s = detect(self.store, t.alive, t.timeout_s)
+        except MembershipError:
+            raise err from None  # nobody died: the wait's own error
+        nodes = sorted({self.node_of_rank[r] for r in dead})
+        if not self.recover:
+            raise DistError(f"rank {t.rank}: ranks {sorted(dead)} (nodes {nodes}) died in iteration {iteration}, "
+                            "and no failure was scripted there (backend.unannounced=stop)") from None
+        victims = {r for r, n in self.node_of_rank.items() if n in nodes and r in t.alive}
+        if t.rank in victims:
+            os.kill(os.getpid(), signal.SIGKILL)  # a node fails whole: its other processes too
+        try:
+            while victims - dead:  # the rest of those nodes stops once it notices too
+                more, more_s = detect(self.store, sorted(victims - dead), 2 * t.timeout_s)
+                dead, detect_s = dead | more, detect_s + more_s
+            survivors = [r for r in t.alive if r not in victims]
+            agree_s = agree(self.store, t.epoch + 1, t.rank, survivors, victims, 3 * t.timeout_s)
+        except MembershipError as error:
+            raise DistError(f"rank {t.rank}: {error}") from None
+        engine.roll_back()
+        started = time.perf_counter()
+        t.regroup(survivors)
+        for r in victims:
+            del self.node_of_rank[r]
+        self._pending = {"iteration": iteration, "node": nodes[0] if len(nodes) == 1 else nodes,
+                         "dead_ranks": sorted(victims), "unannounced": True, "detection_s": detect_s,
+                         "agreement_s": agree_s, "new_group_s": time.perf_counter() - started,
+                         "struck_to_regrouped_s": time.perf_counter() - struck}
+        raise FailuresDiscovered(nodes, f"ranks {sorted(dead)} stopped beating ({type(err).__name__})")
 
     def perform(self, actions, old, new, iteration: int) -> int | None:
         from ftbench.actions import (Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,

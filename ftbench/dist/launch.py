@@ -60,6 +60,19 @@ def check_config(cfg, strategy, clock: str) -> None:
     if t is None or not t > 0:
         raise ConfigError("backend.timeout_s", f"must be a positive number of seconds, got {t}",
                           "set backend.timeout_s=60 (or another deadline per wait)")
+    mode = cfg.backend.get("unannounced", "recover")
+    if mode not in UNANNOUNCED:
+        raise ConfigError("backend.unannounced", f"unknown mode '{mode}'", f"choose one of {', '.join(UNANNOUNCED)}")
+    kill = cfg.backend.get("kill")
+    if kill is not None:
+        parsed = parse_kill(kill)
+        if parsed is None:
+            raise ConfigError("backend.kill", f"'{kill}' is not RANK:ITERATION:OPS",
+                              "give three whole numbers, e.g. backend.kill=3:2:10 (rank 3 dies after 10 ops of "
+                              "iteration 2)")
+        if parsed[1] >= cfg.train.iterations:
+            raise ConfigError("backend.kill", f"iteration {parsed[1]} is past the run's {cfg.train.iterations} "
+                              "iterations", "pick an iteration the run reaches")
     d = cfg.backend.get("deadline_s")
     if d is not None and not d > 0:
         raise ConfigError("backend.deadline_s", f"must be a positive number of seconds or null, got {d}",
@@ -75,6 +88,23 @@ def check_config(cfg, strategy, clock: str) -> None:
                               f"yet: {why}", "set strategy.every to a number of iterations, or use backend.clock=model")
 
 
+UNANNOUNCED = ("recover", "stop")  # backend.unannounced
+
+
+def parse_kill(text) -> tuple[int, int, int] | None:
+    """backend.kill "RANK:ITERATION:OPS" -> (rank, iteration, ops); None if malformed."""
+    parts = str(text).split(":")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        return None
+    return tuple(int(p) for p in parts)
+
+
+def per_node(cfg) -> bool:
+    """Whether the job runs one elastic agent per node, with heartbeats (a death ends only its
+    own node's processes): when failures are scripted or a process is set to die (backend.kill)."""
+    return cfg.failures.kind != "none" or cfg.backend.get("kill") is not None
+
+
 def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str) -> dict:
     """The dist backend's part of ftbench.run._run: the job's results for the summary."""
     check_config(cfg, strategy, clock)
@@ -83,7 +113,7 @@ def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str
         from ftbench.dist.worker import train
 
         result = train(job, log=log)
-    elif cfg.failures.kind != "none":
+    elif per_node(cfg):
         # One agent per node, standbys included, so a node's death ends only its own processes.
         nodes = cluster.nodes + cluster.spares
         result = launch_nodes(job, nodes, cluster.gpus_per_node, log, timeout_s(cfg), deadline_s(cfg))

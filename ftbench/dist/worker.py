@@ -135,7 +135,9 @@ def train(job: dict, log=None) -> dict | None:
     rank, world, device, pg_backend = init_process_group(float(cfg.backend.timeout_s))
     leader_log = _LeaderLog(rank, log, job.get("metrics"))
     heartbeat = None
-    if cfg.failures.kind != "none":  # the survivors of a failure tell the dead by their silent beat
+    from ftbench.dist.launch import per_node
+
+    if per_node(cfg):  # the survivors of a failure tell the dead by their silent beat
         from ftbench.dist.membership import Heartbeat
 
         heartbeat = Heartbeat(rank, float(cfg.backend.timeout_s)).start()
@@ -189,6 +191,7 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     from ftbench.checkpoint import CheckpointStore
     from ftbench.cluster import Cluster
     from ftbench.dist.engine import DistBackend, DistEngine
+    from ftbench.dist.launch import parse_kill
     from ftbench.dist.transport import DistTransport
     from ftbench.engine.local import DTYPES
     from ftbench.failures import build_failure_script
@@ -215,15 +218,17 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     if getattr(strategy, "checkpoint_mode", None) in (FILE, SNAPSHOT):
         # The leader writes; after a failure every rank reads its state back from the same folder.
         store = CheckpointStore(run_dir / "checkpoints", keep=cfg.strategy.get("keep", 2))
+    recover = heartbeat is not None and cfg.backend.get("unannounced", "recover") == "recover"
     engine = DistEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, dtype, transport, device, store,
-                        recompute=cfg.train.get("recompute") or "none")
+                        recompute=cfg.train.get("recompute") or "none", undo=recover,
+                        kill=parse_kill(cfg.backend.kill) if cfg.backend.get("kill") is not None else None)
     timelines = SimCache(ctx.cost_model)
     membership = None
     if heartbeat is not None:
         from ftbench.dist.membership import job_store
 
         membership = job_store(float(cfg.backend.timeout_s))  # the heartbeat thread keeps its own client
-    backend = DistBackend(engine, cluster.gpus_per_node, cluster.nodes, membership)
+    backend = DistBackend(engine, cluster.gpus_per_node, cluster.nodes, membership, recover=recover)
     outcome = run_loop(ctx, strategy, cluster, script, backend, timelines, log, None, clock=clock)
     state = engine.gather_final_state() if outcome.status == "ok" else None
     if rank != transport.leader:
