@@ -9,7 +9,11 @@ measured recovery phases (detection, agreement, state transfer, first iteration 
 the simulator's prediction of the recovery actions on the same hardware profile
 (`hardware=cpu` by default), with the ratio.
 
-    python benchmarks/dist_chaos.py [--trials 20] [--seed 0] [--strategies checkpoint,recycle,...]
+With `--unannounced`, nothing is scripted: a seeded random process dies after a seeded random
+number of its ops of a seeded random iteration (`backend.kill`), and the survivors must notice,
+agree, roll back to the iteration's start and let the strategy recover (backend.unannounced).
+
+    python benchmarks/dist_chaos.py [--trials 20] [--seed 0] [--strategies checkpoint,recycle,...] [--unannounced]
 
 A trial takes 30 to 45 s on a 2-core machine (5 processes start, the run, then the fault-free
 reference on `local`).
@@ -36,6 +40,7 @@ SETUP = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=2", "cluster.gpus_per_nod
          "backend.timeout_s=30", "backend.dtype=float64", "hardware=cpu", "wandb.mode=disabled")
 EXTRA = {"checkpoint": ("strategy.every=2",), "checkfreq": ("strategy.every=2",), "varuna": ("strategy.every=2",)}
 DEADLINE_S = 240
+OPS = 9  # --unannounced: a process dies after 0 to OPS - 1 of its ops (each worker runs more)
 
 
 def marked(marker: str) -> list[int]:
@@ -50,13 +55,17 @@ def marked(marker: str) -> list[int]:
     return found
 
 
-def trial(strategy: str, node: int, iteration: int, folder: Path) -> dict:
+def trial(strategy: str, node: int, iteration: int, folder: Path, ops: int | None = None) -> dict:
+    """One run: node `node` fails in `iteration`, scripted, or (with `ops`) its process dies
+    unannounced after `ops` of its ops there (one GPU per node: rank = node)."""
     marker = f"FTBENCH_CHAOS={uuid.uuid4().hex}"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", FTBENCH_CHAOS=marker.split("=")[1])
+    failure = (f"failures.events=[{{iteration:{iteration},node:{node}}}]" if ops is None else
+               f"backend.kill={node}:{iteration}:{ops}")
     started = time.monotonic()
     try:
         subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", f"strategy={strategy}", *SETUP,
-                        *EXTRA.get(strategy, ()), f"failures.events=[{{iteration:{iteration},node:{node}}}]",
+                        *EXTRA.get(strategy, ()), failure, *(() if ops is None else ("backend.timeout_s=10",)),
                         f"hydra.run.dir={folder}"], cwd=ROOT, env=env, capture_output=True, timeout=DEADLINE_S)
         timed_out = False
     except subprocess.TimeoutExpired:
@@ -88,6 +97,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--unannounced", action="store_true", help="kill with backend.kill, nothing scripted")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     failed = 0
@@ -97,8 +107,9 @@ def main(argv: list[str]) -> int:
         phases = []
         for i in range(args.trials):
             node, iteration = rng.randrange(4), rng.randrange(1, ITERATIONS - 1)
+            ops = rng.randrange(OPS) if args.unannounced else None
             with tempfile.TemporaryDirectory() as tmp:
-                r = trial(strategy, node, iteration, Path(tmp) / "run")
+                r = trial(strategy, node, iteration, Path(tmp) / "run", ops)
             m = r.get("measured") or [{}]
             m = m[0]
             phases += r.get("measured") or []

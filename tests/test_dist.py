@@ -129,6 +129,17 @@ def test_failures_dist_cannot_place_are_refused(tmp_path):
     assert summary["status"] == "error" and "joins on backend=dist" in summary["error"]
 
 
+@pytest.mark.parametrize("override,message", [
+    ("backend.kill=3:2", "'3:2' is not RANK:ITERATION:OPS"),
+    ("backend.kill=1:50:0", "iteration 50 is past the run's"),
+    ("backend.unannounced=ignore", "unknown mode 'ignore'"),
+])
+def test_bad_unannounced_settings_are_refused(tmp_path, override, message):
+    summary = run(tmp_path, "backend=dist", "model=gpt-tiny", override)
+    assert summary["status"] == "error" and message in summary["error"], summary["error"]
+    assert override.split("=")[0] in summary["error"]
+
+
 def _silent_peer(timeout_s: float, error_dir: str) -> None:
     """Rank 1 waits for an activation rank 0 never sends; rank 0 stays alive but silent."""
     import torch

@@ -125,3 +125,42 @@ def test_dist_agrees_with_sim(tmp_path, strategy, events):
     dist_summary, _ = run_dist(tmp_path / "dist", "backend.clock=model", "report.progress=false",
                                "backend.timeout_s=30", *overrides, setup=CONFORMANCE)
     assert _trace(tmp_path / "dist", dist_summary) == _trace(tmp_path / "sim", sim)
+
+
+@pytest.mark.parametrize("strategy,kill,node,dead,extra", [
+    # rank 3 dies in the middle of iteration 2: its node's other process (rank 2) goes too
+    ("elastic-horovod", "3:2:7", 1, [2, 3], ("cluster.gpus_per_node=2",)),
+    # the leader dies after its last op of iteration 3, when stage 1's replicas have already
+    # stepped: they must roll back to the iteration's start, or training would differ
+    ("recycle", "0:3:99", 0, [0], ()),
+])
+def test_an_unannounced_death_is_rolled_back_and_recovered(tmp_path, strategy, kill, node, dead, extra):
+    """No failure is scripted: a process SIGKILLs itself (backend.kill). The survivors notice
+    through their failed waits and the silent heartbeat, agree, roll back to the start of the
+    iteration in flight, and the strategy recovers as from a failure there."""
+    iteration = int(kill.split(":")[1])
+    summary, lines = run_dist(tmp_path, f"strategy={strategy}", f"backend.kill={kill}", "backend.timeout_s=10",
+                              *extra)
+    fails = [r for r in lines if r["event"] == "fail"]
+    assert [(r["node"], r["iteration"]) for r in fails] == [(node, iteration)]
+    assert "stopped beating" in fails[0]["unannounced"]
+    _assert_complete(summary, lines, node, iteration)
+    _assert_measured(summary, dead)
+    assert summary["measured_recoveries"][0]["unannounced"] is True
+
+
+def test_an_unannounced_death_stops_the_run_when_asked(tmp_path):
+    """backend.unannounced=stop: the same death ends the run with an error naming who died."""
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", FTBENCH_TEST_MARKER=marker)
+    subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", *SETUP, "strategy=elastic-horovod",
+                    "backend.kill=1:1:3", "backend.timeout_s=10", "backend.unannounced=stop",
+                    f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "error"
+    assert "ranks [1] (nodes [1]) died in iteration 1" in summary["error"]
+    assert "backend.unannounced=stop" in summary["error"]
+    deadline = time.monotonic() + 10
+    while processes_with(f"FTBENCH_TEST_MARKER={marker}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with(f"FTBENCH_TEST_MARKER={marker}") == [], "processes left behind"

@@ -154,6 +154,8 @@ class DistEngine:
                 share = executor.run(op)
                 if share is not None:
                     vector[slots[op]] = share
+            if dies_after is not None:
+                os.kill(os.getpid(), signal.SIGKILL)  # backend.kill past this worker's last op: here
             self.transport.flush_sends()
             self._track_memory()
         if completed is not None:
