@@ -1,0 +1,102 @@
+"""The shortcuts ReCycle takes at scale give exactly what the general code gives: re-routing
+by slices (against the heap of least-loaded peers it replaces), parts of whole failed
+pipelines (against tracing every flow's route), and plans held as bound templates (against
+their own ops: holds, and a failure script's plans on local)."""
+import heapq
+import random
+
+import pytest
+
+from ftbench.planning import parts
+from ftbench.planning.problem import PlanningProblem, StageTimes, _reroute
+from ftbench.plan import holds_from_schedule
+
+
+def _heap_reroute(failed, survivors, m, dp):
+    """The definition: each failed pipeline in turn hands micro-batch k to the least loaded
+    survivor, the nearest after it along the ring first."""
+    out, load = {}, {d: m for d in survivors}
+    for d in failed:
+        heap = [(n, (e - d) % dp, e) for e, n in load.items()]
+        heapq.heapify(heap)
+        for k in range(m):
+            n, distance, peer = heapq.heappop(heap)
+            load[peer] = n + 1
+            out[(d, k)] = peer
+            heapq.heappush(heap, (n + 1, distance, peer))
+    return out
+
+
+def test_rerouting_by_slices_equals_the_heap_of_least_loaded_peers():
+    rng = random.Random(7)
+    for _ in range(2000):
+        dp, m = rng.randint(2, 40), rng.randint(1, 20)
+        failed = tuple(sorted(rng.sample(range(dp), rng.randint(1, dp - 1))))
+        survivors = [d for d in range(dp) if d not in failed]
+        assert _reroute(failed, survivors, m, dp) == _heap_reroute(failed, survivors, m, dp), (dp, m, failed)
+
+
+def _problem(rng, whole: bool):
+    pp, dp, m = rng.randint(1, 5), rng.randint(2, 12), rng.randint(1, 9)
+    stages = tuple(StageTimes(1.0 + s, 2.0, 1.5, 0.1, 0.5, static_bytes=1e9, activation_bytes=rng.choice([1e8, 3e8]),
+                              weight_stash_bytes=1e8) for s in range(pp))
+    dead = rng.sample(range(dp), rng.randint(0, dp - 1))
+    failed = {(d, s) for d in dead for s in range(pp)} if whole else \
+        {(d, rng.randrange(pp)) for d in dead[:max(1, len(dead) // 2)]}
+    return PlanningProblem(pp, dp, m, stages, failed=failed, decoupled=rng.random() < 0.7, intra_node_s=0.01,
+                           inter_node_s=0.1, gpus_per_node=rng.choice([1, 2, pp, 2 * pp]),
+                           memory_bytes=rng.choice([float("inf"), 2.5e9]))
+
+
+def _general(problem):
+    saved = parts._whole_pipelines
+    parts._whole_pipelines = lambda p: False
+    try:
+        return parts._split(problem)
+    finally:
+        parts._whole_pipelines = saved
+
+
+def test_parts_of_whole_failed_pipelines_equal_tracing_every_flow():
+    rng = random.Random(3)
+    for _ in range(300):
+        problem = _problem(rng, whole=True)
+        assert parts._whole_pipelines(problem)
+        fast, general = parts._split(problem), _general(problem)
+        assert [(s.part.key, s._ops) for s, _ in fast] == [(s.part.key, s._ops) for s, _ in general]
+        assert [[(p.workers, p.local, p.pipeline_of, p.microbatches, p.key) for p in group] for _, group in fast] == \
+            [[(p.workers, p.local, p.pipeline_of, p.microbatches, p.key) for p in group] for _, group in general]
+
+
+def test_partial_failures_take_the_general_path():
+    """The shortcut is taken exactly when every failed pipeline lost all of its stages."""
+    rng = random.Random(4)
+    for _ in range(200):
+        problem = _problem(rng, whole=False)
+        partial = any((d, s) not in problem.failed for d, _ in problem.failed for s in range(problem.pp))
+        assert parts._whole_pipelines(problem) is not partial
+
+
+@pytest.mark.parametrize("pp,dp,gpus_per_node,nodes", [(4, 8, 4, (1, 6)), (4, 6, 2, (0, 3)), (2, 4, 2, (1,))])
+def test_recycle_plans_hold_what_they_step(pp, dp, gpus_per_node, nodes):
+    """ReCycle builds its plans' holds from the grid (each survivor keeps its own replica):
+    they equal what the plan's own optimizer steps say."""
+    from conftest import compose
+    from ftbench.cluster import Cluster
+    from ftbench.context import RunContext
+    from ftbench.failures import FailureEvent
+    from ftbench.schedule import check_coverage
+    from ftbench.strategies import build_strategy
+
+    cfg = compose("backend=sim", "model=gpt3-medium", "strategy=recycle", "strategy.plan_cache=null",
+                  "strategy.plan_ahead=0", f"cluster.pp={pp}", f"cluster.dp={dp}",
+                  f"cluster.gpus_per_node={gpus_per_node}", "train.microbatches=8")
+    ctx, cluster = RunContext.from_config(cfg), Cluster.from_config(cfg.cluster)
+    strategy = build_strategy(cfg.strategy, ctx)
+    strategy.plan(cluster)
+    for node in nodes:
+        cluster.fail(node)
+        plan = strategy.on_event(FailureEvent(node, iteration=1), cluster, 1).plan
+        assert plan.schedule.ops.parts() is not None
+        assert plan.holds == holds_from_schedule(plan.schedule)
+        check_coverage(plan.schedule)
