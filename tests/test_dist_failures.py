@@ -164,3 +164,17 @@ def test_an_unannounced_death_stops_the_run_when_asked(tmp_path):
     while processes_with(f"FTBENCH_TEST_MARKER={marker}") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_with(f"FTBENCH_TEST_MARKER={marker}") == [], "processes left behind"
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "varuna"])
+def test_a_seeded_random_unannounced_death(tmp_path, strategy):
+    """A process, an iteration and a point in it drawn from a seed, nothing scripted, for the
+    strategies that restart from checkpoint files: onto a standby (checkpoint restart) or onto
+    a new pipeline shape (Varuna, in float64)."""
+    rng = random.Random(f"unannounced-{strategy}")
+    rank, iteration, ops = rng.randrange(4), rng.randrange(1, 5), rng.randrange(9)
+    extra = ["backend.dtype=float64"] if strategy == "varuna" else ["cluster.spares=1"]
+    summary, lines = run_dist(tmp_path, f"strategy={strategy}", "strategy.every=2", "cluster.gpus_per_node=1",
+                              f"backend.kill={rank}:{iteration}:{ops}", "backend.timeout_s=10", *extra)
+    _assert_complete(summary, lines, rank, iteration)
+    _assert_measured(summary, [rank])
