@@ -124,6 +124,20 @@ class GridOps(MutableMapping):
         self._lists.pop(w, None)
         self.run = self._parts = None
 
+    def split_forms(self) -> tuple[dict[int, tuple[int, int]], list[int]]:
+        """({worker: (template id, pipeline)} of the workers still held as plain templates,
+        [the other workers]: lists handed out, or bound templates), for readers that take the
+        plain ones by template and read the others op by op."""
+        if not self._lists and not self._parts and all(type(d) is int for _, d in self.of.values()):
+            return self.of, []
+        lazy, other = {}, []
+        for w, record in self.of.items():
+            if w in self._lists or type(record[1]) is not int:
+                other.append(w)
+            else:
+                lazy[w] = record
+        return lazy, other
+
     def set_parts(self, parts: list[tuple[PartFlows, list[tuple[int, int]]]]) -> None:
         """Give `parts()` as the builder knows it: each part's records by worker, parts by their
         first worker (the order parts() finds them in)."""
@@ -232,8 +246,8 @@ class Schedule:
             return ("parts", marshal.dumps((self.stages, self.microbatches, ops.templates)), flows,
                     sizes.tobytes(), records.tobytes())
         if isinstance(ops, GridOps):
-            lazy = {w: f for w, f in ops.of.items() if w not in ops._lists} if ops._lists else ops.of
-            given = tuple((w, tuple(tuple(op) for op in ops._lists[w])) for w in sorted(ops._lists))
+            lazy, other = ops.split_forms()
+            given = tuple((w, tuple(tuple(op) for op in ops.read(w))) for w in sorted(other))
             try:  # the records as three arrays of integers: workers, template ids, pipelines
                 records = b"|".join((array("q", lazy).tobytes(), array("q", chain.from_iterable(lazy.values())).tobytes()))
             except (TypeError, OverflowError):
@@ -313,7 +327,7 @@ def _coverage_problems(schedule: Schedule) -> list[str]:
             return _part_coverage_problems(schedule, parts)
         if _grid_covered(schedule):
             return []
-        if schedule.ops._lists:
+        if schedule.ops.split_forms()[1]:
             return _mixed_coverage_problems(schedule)
     read = read_ops(schedule)
     return _problems_of(schedule, Counter(op for w in schedule.ops for op in read(w)), range(len(schedule.stages)))
@@ -323,11 +337,11 @@ def _mixed_coverage_problems(schedule: Schedule) -> list[str]:
     """A lazy grid with some lists (ReCycle's re-routed workers): pipelines whose ops all sit
     in untouched templates are checked by template, once per distinct one, the others op by op."""
     ops = schedule.ops
-    listed = {op.pipeline for w in ops._lists for op in ops._lists[w]}
+    lazy, other = ops.split_forms()
+    listed = {op.pipeline for w in other for op in ops.read(w)}
     templated = defaultdict(list)
-    for w, (tid, d) in ops.of.items():
-        if w not in ops._lists:
-            templated[d].append(tid)
+    for tid, d in lazy.values():
+        templated[d].append(tid)
     mixed = listed | {d for d in range(len(schedule.stages)) if d not in templated}
     checked: dict[tuple, bool] = {}
     for d, tids in templated.items():
@@ -340,7 +354,7 @@ def _mixed_coverage_problems(schedule: Schedule) -> list[str]:
             checked[key] = not _coverage_problems(one)
         if not checked[key]:
             return _problems_of(schedule, Counter(op for w in ops for op in ops.read(w)), range(len(schedule.stages)))
-    counts = Counter(op for w in ops if w in ops._lists or ops.of[w][1] in mixed for op in ops.read(w))
+    counts = Counter(op for w in ops if w not in lazy or ops.of[w][1] in mixed for op in ops.read(w))
     stepped = {(s, d) for d in templated if d not in mixed for s in range(schedule.stages[d])}
     return _problems_of(schedule, counts, sorted(mixed), stepped)
 
@@ -463,7 +477,7 @@ def _grid_covered(schedule: Schedule) -> bool:
     pipeline's templates do: checked once per distinct (templates, stages, micro-batches), as
     a one-pipeline schedule (which must step each stage itself). False: look op by op."""
     ops = schedule.ops
-    if ops._lists:
+    if ops.split_forms()[1]:
         return False
     run = ops.regular()
     if run is not None and len(ops.of) == run * len(schedule.stages):

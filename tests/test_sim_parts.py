@@ -36,10 +36,15 @@ def _plan(pp, dp, gpus_per_node, nodes, level):
     (4, 6, 2, (0, 3), "reroute"),
 ])
 @pytest.mark.parametrize("staggered", [False, True])
-@pytest.mark.parametrize("form", ["bound", "listed"])
+@pytest.mark.parametrize("form", ["bound", "handed", "listed"])
 def test_deduplicated_parts_time_out_as_every_worker(pp, dp, gpus_per_node, nodes, level, staggered, form):
     plan, costs = _plan(pp, dp, gpus_per_node, nodes, level)
     assert plan.schedule.ops.parts() is not None  # ReCycle's plans: every worker runs a bound template
+    if form == "handed":  # a backend took one worker's list (dist does): bound workers are read op by op
+        plan.schedule.ops[next(iter(plan.schedule.ops))]
+        assert plan.schedule.ops.parts() is None
+        check_coverage(plan.schedule)
+        hash(plan.schedule.key())  # keyed with the bound workers' ops read out
     if form == "listed":  # the same ops as plain lists: parts found by following the flows
         plan, costs = _listed(plan, costs)
     fast = simulate(plan.schedule, costs, dedupe=True, staggered=staggered)

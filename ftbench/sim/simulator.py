@@ -217,14 +217,14 @@ def _replica_classes(schedule: Schedule, costs) -> _Replicas:
     owners = defaultdict(list)  # pipeline -> (lowest stage, worker, order form) of the workers running its ops
     mixed = set()
     given = ops
-    if isinstance(ops, GridOps):  # a worker's order form is its template id, unless its list was handed out
-        low_of = [min(s for _, s, _ in t) for t in ops.templates]
-        given = ops._lists
-        for w, (tid, d) in ops.of.items():
-            if w not in given:
-                owners[d].append((low_of[tid], w, tid))
+    read = read_ops(schedule)
+    if isinstance(ops, GridOps):  # a worker's order form is its template id, unless it must be read
+        low_of = [min(op[1] for op in t) for t in ops.templates]
+        lazy, given = ops.split_forms()
+        for w, (tid, d) in lazy.items():
+            owners[d].append((low_of[tid], w, tid))
     for w in given:
-        worker_ops = ops[w]
+        worker_ops = read(w)
         if not worker_ops:
             continue
         pipelines = {op.pipeline for op in worker_ops}
