@@ -139,7 +139,7 @@ def test_an_unannounced_death_is_rolled_back_and_recovered(tmp_path, strategy, k
     through their failed waits and the silent heartbeat, agree, roll back to the start of the
     iteration in flight, and the strategy recovers as from a failure there."""
     iteration = int(kill.split(":")[1])
-    summary, lines = run_dist(tmp_path, f"strategy={strategy}", f"backend.kill={kill}", "backend.timeout_s=10",
+    summary, lines = run_dist(tmp_path, f"strategy={strategy}", f"backend.kill={kill}", "backend.timeout_s=20",
                               *extra)
     fails = [r for r in lines if r["event"] == "fail"]
     assert [(r["node"], r["iteration"]) for r in fails] == [(node, iteration)]
@@ -154,7 +154,7 @@ def test_an_unannounced_death_stops_the_run_when_asked(tmp_path):
     marker = uuid.uuid4().hex
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", FTBENCH_TEST_MARKER=marker)
     subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", *SETUP, "strategy=elastic-horovod",
-                    "backend.kill=1:1:3", "backend.timeout_s=10", "backend.unannounced=stop",
+                    "backend.kill=1:1:3", "backend.timeout_s=20", "backend.unannounced=stop",
                     f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "error"
@@ -175,6 +175,6 @@ def test_a_seeded_random_unannounced_death(tmp_path, strategy):
     rank, iteration, ops = rng.randrange(4), rng.randrange(1, 5), rng.randrange(9)
     extra = ["backend.dtype=float64"] if strategy == "varuna" else ["cluster.spares=1"]
     summary, lines = run_dist(tmp_path, f"strategy={strategy}", "strategy.every=2", "cluster.gpus_per_node=1",
-                              f"backend.kill={rank}:{iteration}:{ops}", "backend.timeout_s=10", *extra)
+                              f"backend.kill={rank}:{iteration}:{ops}", "backend.timeout_s=20", *extra)
     _assert_complete(summary, lines, rank, iteration)
     _assert_measured(summary, [rank])
