@@ -358,17 +358,25 @@ class RunLoop:
             self.t += fraction * T
         completed = self._point(timeline, fraction) if fraction > 0 and self.backend.cuts_ops else frozenset()
         dead = [w for w, node in self.plan.node_of.items() if node == event.node]
-        self.cluster.fail(event.node)
-        self.out.failures += 1
-        self.log({"event": "fail", "node": event.node, "time_s": self.now(), "iteration": self.it})
+        self._fail(event.node)
         self.backend.strike(self.plan, self.it, completed, dead)
+        self._lose_unpersisted()
+        self._ask_strategy(event)
+
+    def _fail(self, node: int, **extra) -> None:
+        """A live node fails now: membership, the count, the metrics line."""
+        self.cluster.fail(node)
+        self.out.failures += 1
+        self.log({"event": "fail", "node": node, "time_s": self.now(), "iteration": self.it, **extra})
+
+    def _lose_unpersisted(self) -> None:
+        """Checkpoints not yet durable when a node fails are lost."""
         if self.modelled:
             lost = self.ckpt.ledger.drop_not_durable(self.now())
             if lost:
                 self.backend.drop_checkpoints(lost)
         else:
             self.backend.lose_unfinished_persist()
-        self._ask_strategy(event)
 
     def _discovered(self, found: FailuresDiscovered) -> None:
         """Nodes that died unannounced in the iteration in flight (the backend has rolled the
@@ -376,16 +384,8 @@ class RunLoop:
         for node in found.nodes:
             if not self.cluster.is_alive(node) or self.out.status != "ok":
                 continue
-            self.cluster.fail(node)
-            self.out.failures += 1
-            self.log({"event": "fail", "node": node, "time_s": self.now(), "iteration": self.it,
-                      "unannounced": found.why or True})
-            if self.modelled:
-                lost = self.ckpt.ledger.drop_not_durable(self.now())
-                if lost:
-                    self.backend.drop_checkpoints(lost)
-            else:
-                self.backend.lose_unfinished_persist()
+            self._fail(node, unannounced=found.why or True)
+            self._lose_unpersisted()
             self._ask_strategy(FailureEvent(node, iteration=self.it))
 
     def _point(self, timeline: SimResult, fraction: float) -> frozenset:

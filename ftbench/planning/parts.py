@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ftbench.planning.problem import PlanningProblem, Position
+from ftbench.plan import grid_replicas
 from ftbench.schedule import B, BW, F, W, Op, identity
 from ftbench.union_find import DisjointSets
 
@@ -143,7 +144,7 @@ def _split_pipelines(problem: PlanningProblem) -> list[tuple[PartProblem, list[P
     own = identity(m)  # one shared tuple: every pipeline's own micro-batches
     one = [(k,) for k in range(m)]  # a single re-routed micro-batch k
     at = [tuple((p, s) for s in range(pp)) for p in range(len(failed) + 1)]  # local positions of local pipeline p
-    positions = grid_positions(pp, dp)
+    replicas = grid_replicas(pp, dp)  # grid worker -> ((pipeline, stage),), shared by every plan
     shapes: dict[tuple, tuple[PartProblem, list[Part]]] = {}
     # (local pipeline, flow counts, hop class, load) -> the shape's key and its entry in `shapes`
     # (a key is long: hashing it once per part would cost more than the rest)
@@ -166,7 +167,7 @@ def _split_pipelines(problem: PlanningProblem) -> list[tuple[PartProblem, list[P
             microbatches = tuple(tuple(mbs[d]) for d in pipelines)
             load = m + len(foreign)
         stand_in = (p, counts, hop_class[e], load)
-        workers = positions[e * pp:(e + 1) * pp]
+        workers = [held for (held,) in replicas[e * pp:(e + 1) * pp]]
         found = known.get(stand_in)
         if found is None:
             caps = tuple((at[p][s], *problem._caps_at(s, load)) for s in range(pp))
@@ -196,17 +197,7 @@ def pipeline_hops(problem: PlanningProblem) -> tuple[list[int], list[tuple[float
     return _HOPS[key]
 
 
-_HOPS: dict[tuple, list] = {}
-
-
-def grid_positions(pp: int, dp: int) -> list[Position]:
-    """(pipeline, stage) of every grid worker, in grid order: one shared list per grid."""
-    if _POSITIONS.get("grid") != (pp, dp):
-        _POSITIONS.update(grid=(pp, dp), positions=[(d, s) for d in range(dp) for s in range(pp)])
-    return _POSITIONS["positions"]
-
-
-_POSITIONS: dict = {}
+_HOPS: dict[tuple, tuple] = {}
 
 
 def _shape_ops(problem: PlanningProblem, part: Part, route: list[Position]) -> dict[Position, list[Op]]:
