@@ -7,6 +7,12 @@ Every rank composes the same config from the same overrides (backend=dist is imp
 Rank 0 runs the job as `ftbench` does (metrics.jsonl, summary.json, the printed summary in
 the run folder, `--run-dir` or runs/dist/<date>/<time>); the other ranks train and exit.
 Exit codes as ftbench's.
+
+With a coordinator (`ftbench backend=dist backend.launcher=torchrun ...` on a machine that
+stays up, which hosts the job's store and writes the run folder), every rank is given
+`--store HOST:PORT` and the same `--run-dir`: then no rank writes the run folder, the
+leader (the lowest live rank) hands the coordinator its metrics lines and results, and a
+failure of any node, node 0 included, is survived.
 """
 from __future__ import annotations
 
@@ -23,6 +29,15 @@ def main(argv: list[str] | None = None) -> int:
         i = args.index("--run-dir")
         run_dir = args[i + 1]
         del args[i:i + 2]
+    store = None
+    if "--store" in args:
+        i = args.index("--store")
+        store = args[i + 1] if i + 1 < len(args) else ""
+        del args[i:i + 2]
+        if ":" not in store or run_dir is None:
+            print("python -m ftbench.dist: --store takes the coordinator's HOST:PORT and needs the coordinator's "
+                  "--run-dir (on storage every node shares)", file=sys.stderr)
+            return 2
     if not any(a.startswith("backend=") for a in args):
         args.append("backend=dist")
     from ftbench.cli import EXIT_CODES, compose
@@ -36,8 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank = env_ranks()[0]
     os.environ[IN_JOB_ENV] = "1"
+    if store is not None:
+        from ftbench.dist.membership import STORE_ENV
+
+        os.environ[STORE_ENV] = store
     run_dir = Path(run_dir or Path("runs") / "dist" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S"))
-    if rank == 0:
+    if rank == 0 and store is None:
         from ftbench.run import execute
 
         summary = execute(cfg, run_dir)
@@ -52,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"rank {rank}: {err}", file=sys.stderr)
         return 2
-    job = dict(job_of(cfg, run_dir), metrics=None)
+    job = job_of(cfg, run_dir)
+    if store is None:
+        job["metrics"] = None  # rank 0 writes the run folder itself
     with report_errors(job["error_dir"]):
         train(job)
     return 0

@@ -7,8 +7,7 @@ carry on, as with one `torchrun` per node on a cluster. The agents meet through 
 rendezvous in the store the launcher hosts (so no node's death takes the store with it), and
 the short exit barrier keeps the survivors from waiting for agents that died.
 
-Each local rank's return value (the leader's results) is written to
-`<run>/dist/result-rank<R>.pkl` for the launcher.
+The leader posts its results in that store (ftbench.dist.worker.RESULT_KEY).
 """
 from __future__ import annotations
 
@@ -44,10 +43,7 @@ def main(argv: list[str]) -> int:
     logs = DefaultLogsSpecs(log_dir=str(folder / "logs" / f"node{node}"), redirects=Std.ALL)
     agent = LocalElasticAgent(spec, logs, start_method=start_method, exit_barrier_timeout=EXIT_BARRIER_S,
                               shutdown_timeout=5)
-    result = agent.run()
-    for rank, value in result.return_values.items():
-        if value is not None:
-            (folder / f"result-rank{rank}.pkl").write_bytes(pickle.dumps(value))
+    agent.run()
     return 0
 
 

@@ -60,6 +60,13 @@ def check_config(cfg, strategy, clock: str) -> None:
     if t is None or not t > 0:
         raise ConfigError("backend.timeout_s", f"must be a positive number of seconds, got {t}",
                           "set backend.timeout_s=60 (or another deadline per wait)")
+    launcher = cfg.backend.get("launcher", "self")
+    if launcher not in LAUNCHERS:
+        raise ConfigError("backend.launcher", f"unknown launcher '{launcher}'", f"choose one of {', '.join(LAUNCHERS)}")
+    port = cfg.backend.get("store_port", 29500)
+    if launcher == "torchrun" and not (isinstance(port, int) and 0 < port < 65536):
+        raise ConfigError("backend.store_port", f"must be a TCP port number, got {port}",
+                          "set backend.store_port=29500 (the port torchrun's --rdzv-endpoint names)")
     mode = cfg.backend.get("unannounced", "recover")
     if mode not in UNANNOUNCED:
         raise ConfigError("backend.unannounced", f"unknown mode '{mode}'", f"choose one of {', '.join(UNANNOUNCED)}")
@@ -89,6 +96,7 @@ def check_config(cfg, strategy, clock: str) -> None:
 
 
 UNANNOUNCED = ("recover", "stop")  # backend.unannounced
+LAUNCHERS = ("self", "torchrun")  # backend.launcher
 
 
 def parse_kill(text) -> tuple[int, int, int] | None:
@@ -105,6 +113,14 @@ def per_node(cfg) -> bool:
     return cfg.failures.kind != "none" or cfg.backend.get("kill") is not None
 
 
+def heartbeats(cfg) -> bool:
+    """Whether this rank beats and watches its peers' beats: on the per-node layout, and in
+    every job whose store `ftbench` hosts (a torchrun job with a coordinator)."""
+    from ftbench.dist.membership import STORE_ENV
+
+    return per_node(cfg) or bool(os.environ.get(STORE_ENV))
+
+
 def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str) -> dict:
     """The dist backend's part of ftbench.run._run: the job's results for the summary."""
     check_config(cfg, strategy, clock)
@@ -113,6 +129,10 @@ def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str
         from ftbench.dist.worker import train
 
         result = train(job, log=log)
+    elif cfg.backend.get("launcher", "self") == "torchrun":
+        # torchrun starts the processes on the nodes; this process hosts the job's store and
+        # writes the run folder, so that no node's death ends the job.
+        result = coordinate(job, cluster, log, timeout_s(cfg), deadline_s(cfg), int(cfg.backend.store_port))
     elif per_node(cfg):
         # One agent per node, standbys included, so a node's death ends only its own processes.
         nodes = cluster.nodes + cluster.spares
@@ -196,22 +216,15 @@ def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float,
     import pickle
     import subprocess
     import sys
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
 
     from ftbench.dist.membership import STORE_ENV
     from ftbench.dist.transport import DistError
 
-    folder = Path(job["error_dir"])
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in [*folder.glob("error-rank*.json"), *folder.glob("result-rank*.pkl")]:
-        stale.unlink()
+    folder = _fresh_folder(job)
     job_path = folder / "job.pkl"
     job_path.write_bytes(pickle.dumps(job))
     port = free_port()
-    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                     timeout=timedelta(seconds=timeout))
+    store = host_store(port, timeout)
     run_id = f"ftbench-{uuid.uuid4().hex[:8]}"
     tail = _Tail(Path(job["metrics"]), log)
     tail.start()
@@ -241,15 +254,107 @@ def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float,
                     pass
                 agent.wait()
         tail.stop()
+    try:
+        return _result(store, folder, started, f"agent logs in {folder}")
+    finally:
         del store
-    results = sorted(folder.glob("result-rank*.pkl"))
-    if not results:
-        root = first_error(folder)
-        if root is not None:
-            raise DistError(f"rank {root['rank']} failed: {root['error']} (rank logs in {folder / 'logs'})")
-        raise DistError(f"the dist job ended without results after {time.monotonic() - started:.1f} s "
-                        f"(agent logs in {folder})")
-    return pickle.loads(results[0].read_bytes())
+
+
+def coordinate(job: dict, cluster, log, timeout: float, deadline: float, port: int) -> dict:
+    """backend.launcher=torchrun: host the job's store on `port` (torchrun's rendezvous and the
+    ranks' membership both meet there), forward the leader's metrics lines and wait for its
+    results; the ranks are started elsewhere (`torchrun ... -m ftbench.dist --store HOST:PORT`).
+    Ends when the leader posts its results, when every rank has stopped beating after an
+    error, or past `deadline`."""
+    from ftbench.dist.membership import STALE_S, beats
+
+    from ftbench.dist.transport import DistError
+    from ftbench.dist.worker import RESULT_KEY
+
+    folder = _fresh_folder(job)
+    store = host_store(port, timeout)
+    view = _job_view(store)
+    ranks = range((cluster.nodes + cluster.spares) * cluster.gpus_per_node)
+    host = socket.getfqdn()
+    print(f"ftbench: hosting the job's store on {host}:{port}; start torchrun on every node with "
+          f"--nnodes={cluster.nodes + cluster.spares} --nproc-per-node={cluster.gpus_per_node} --rdzv-backend=c10d "
+          f"--rdzv-endpoint={host}:{port} -m ftbench.dist --store {host}:{port} --run-dir {job['run_dir']} "
+          "and this run's overrides", flush=True)
+    tail = _Tail(Path(job["metrics"]), log)
+    tail.start()
+    started = time.monotonic()
+    last = beats(view, ranks)
+    moved = started  # when some rank's beat last moved
+    try:
+        while not view.check([RESULT_KEY]):
+            now = time.monotonic()
+            counts = beats(view, ranks)
+            if counts != last:
+                last, moved = counts, now
+            if now - moved > 2 * STALE_S and (any(last.values()) or first_error(folder) is not None):
+                break  # every rank that started has stopped, and none posted results
+            if now - started > deadline:
+                raise DistError(f"the dist job ran past its deadline of {deadline:g} s (backend.deadline_s) "
+                                f"without results; errors in {folder}")
+            time.sleep(0.2)
+        # The ranks leave one by one after the results: keep the store up until they have.
+        quiet_since, last = time.monotonic(), beats(view, ranks)
+        end = time.monotonic() + timeout
+        while time.monotonic() - quiet_since < 2 * STALE_S and time.monotonic() < end:
+            time.sleep(0.2)
+            counts = beats(view, ranks)
+            if counts != last:
+                last, quiet_since = counts, time.monotonic()
+    finally:
+        tail.stop()
+    try:
+        return _result(store, folder, started, f"rank logs on the nodes, errors in {folder}")
+    finally:
+        del store
+
+
+def host_store(port: int, timeout: float):
+    """The job's TCPStore, served from this process on `port` (every interface)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                    timeout=timedelta(seconds=timeout))
+
+
+def _job_view(store):
+    """The job's keys in a store `ftbench` hosts (ftbench.dist.membership.job_store's prefix)."""
+    from torch.distributed import PrefixStore
+
+    from ftbench.dist.membership import JOB_PREFIX
+
+    return PrefixStore(JOB_PREFIX, store)
+
+
+def _fresh_folder(job: dict) -> Path:
+    """The job's dist folder, without the errors of an earlier attempt."""
+    folder = Path(job["error_dir"])
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("error-rank*.json"):
+        stale.unlink()
+    return folder
+
+
+def _result(store, folder: Path, started: float, where: str) -> dict:
+    """The results the leader posted in the store, or the job's root-cause error."""
+    import pickle
+
+    from ftbench.dist.transport import DistError
+    from ftbench.dist.worker import RESULT_KEY
+
+    prefixed = _job_view(store)
+    if prefixed.check([RESULT_KEY]):
+        return pickle.loads(prefixed.get(RESULT_KEY))
+    root = first_error(folder)
+    if root is not None:
+        raise DistError(f"rank {root['rank']} failed: {root['error']} ({where})")
+    raise DistError(f"the dist job ended without results after {time.monotonic() - started:.1f} s ({where})")
 
 
 def free_port() -> int:

@@ -26,19 +26,31 @@ STALE_S = 2.0  # a member whose beat has not moved this long is dead (threads of
 SETTLE_S = 0.5  # after the first death, how long the dead set must hold still (a node's processes die together)
 
 
-STORE_ENV = "FTBENCH_STORE"  # host:port of the store the launcher hosts (ftbench.dist.launch.launch_nodes)
+STORE_ENV = "FTBENCH_STORE"  # host:port of the store `ftbench` hosts for the job (ftbench.dist.launch)
+JOB_PREFIX = "ftbench/job/"  # that store serves one job: its keys need no run id
 
 
 def job_store(timeout_s: float):
-    """A client of the job's store, under this job's prefix: the one the launcher hosts when it
-    started the nodes (it outlives every node), else the launcher's MASTER_ADDR/MASTER_PORT
-    (under torchrun: a store hosted by node 0's agent)."""
+    """A client of the job's store, under this job's prefix: the one `ftbench` hosts (it
+    outlives every node: the launcher of a job on this machine, or the coordinator of a
+    torchrun job, backend.launcher=torchrun), else the launcher's MASTER_ADDR/MASTER_PORT
+    (a torchrun job without a coordinator: the store node 0's agent hosts)."""
     import torch.distributed as dist
 
     endpoint = os.environ.get(STORE_ENV)
-    host, port = endpoint.rsplit(":", 1) if endpoint else (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    if endpoint:
+        host, port = endpoint.rsplit(":", 1)
+        prefix = JOB_PREFIX
+    else:
+        host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+        prefix = f"ftbench/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/"
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    return dist.PrefixStore(f"ftbench/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/", store)
+    return dist.PrefixStore(prefix, store)
+
+
+def beats(store, ranks) -> dict[int, int]:
+    """Each rank's heartbeat counter now (0: never beat)."""
+    return {r: store.add(f"hb/{r}", 0) for r in ranks}
 
 
 class Heartbeat:
@@ -77,7 +89,7 @@ def detect(store, members: list[int], deadline_s: float, stale_s: float = STALE_
     then until the dead set has held still for SETTLE_S (the other processes of a failed node
     die at about the same time)."""
     started = time.perf_counter()
-    beat = {r: store.add(f"hb/{r}", 0) for r in members}
+    beat = beats(store, members)
     moved = {r: started for r in members}
     dead: set[int] = set()
     settled = None  # when the dead set last changed

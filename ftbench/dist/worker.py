@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ERROR_PREFIX = "error-rank"
+RESULT_KEY = "result"  # in the job's store: the leader's results, pickled
 
 
 def env_ranks() -> tuple[int, int, int, int]:
@@ -50,6 +51,8 @@ def init_process_group(timeout_s: float):
     import torch
     import torch.distributed as dist
 
+    from ftbench.dist.membership import STORE_ENV, job_store
+
     rank, world, local, _ = env_ranks()
     if torch.cuda.is_available():
         device = torch.device("cuda", local % torch.cuda.device_count())
@@ -57,7 +60,12 @@ def init_process_group(timeout_s: float):
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get(STORE_ENV):  # the job's own store, not node 0's agent's: no node's death takes it
+        store = dist.PrefixStore("default/", job_store(timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return rank, world, device, backend
 
 
@@ -88,6 +96,7 @@ class LineWriter:
     """Rank 0's metrics lines, appended and flushed one by one to a file the launcher tails."""
 
     def __init__(self, path: str | Path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", encoding="utf-8")
 
     def __call__(self, record: dict) -> None:
@@ -135,14 +144,20 @@ def train(job: dict, log=None) -> dict | None:
     rank, world, device, pg_backend = init_process_group(float(cfg.backend.timeout_s))
     leader_log = _LeaderLog(rank, log, job.get("metrics"))
     heartbeat = None
-    from ftbench.dist.launch import per_node
+    from ftbench.dist.launch import heartbeats
 
-    if per_node(cfg):  # the survivors of a failure tell the dead by their silent beat
+    if heartbeats(cfg):  # the survivors of a failure tell the dead by their silent beat
         from ftbench.dist.membership import Heartbeat
 
         heartbeat = Heartbeat(rank, float(cfg.backend.timeout_s)).start()
     try:
         result = _train(cfg, ctx, job, leader_log, rank, world, device, pg_backend, threads, heartbeat)
+        if result is not None and heartbeat is not None:
+            # The leader hands its results to whoever hosts the store (the launcher, or the
+            # coordinator of a torchrun job): it may not be rank 0, nor on node 0.
+            import pickle
+
+            heartbeat.store.set(RESULT_KEY, pickle.dumps(result))
     finally:
         # A failed rank leaves at once: its peers' waits end at their deadlines (or the
         # launcher stops them); tearing the groups down here could block on a dead peer.
