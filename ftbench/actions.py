@@ -21,8 +21,9 @@ CHECKPOINT_MODES = (FILE, SNAPSHOT, MEMORY)
 
 @dataclass(frozen=True)
 class Transfer:
-    """One copy of a replica's state (weights and optimizer state) between workers."""
-    layers: LayerRange  # transformer blocks [first, end)
+    """One copy of state (weights and optimizer state) between workers: a replica's, or a piece
+    of one (Oobleck: a new layer cut takes its layers from holders cut another way)."""
+    layers: LayerRange  # transformer blocks [first, end) (empty for the embedding or head alone)
     embedding: bool  # with the token/position embeddings (a first stage)
     head: bool  # with the final LayerNorm and LM head (a last stage)
     src: int  # worker that sends
@@ -30,8 +31,8 @@ class Transfer:
     nbytes: float  # checkpointed bytes moved (ftbench.recovery_costs.CHECKPOINT_BYTES_PER_PARAM per parameter)
 
     def __str__(self) -> str:
-        parts = (["embedding"] if self.embedding else []) + [f"blocks {self.layers[0]}-{self.layers[1] - 1}"] \
-            + (["head"] if self.head else [])
+        blocks = [f"blocks {self.layers[0]}-{self.layers[1] - 1}"] if self.layers[1] > self.layers[0] else []
+        parts = (["embedding"] if self.embedding else []) + blocks + (["head"] if self.head else [])
         return f"{' + '.join(parts)}: worker {self.src} -> {self.dst} ({self.nbytes / 1e6:.3g} MB)"
 
 

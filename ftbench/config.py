@@ -149,6 +149,14 @@ class ReCycleConfig(CheckpointConfig):
 
 
 @dataclass
+class OobleckConfig(StrategyConfig):
+    """Oobleck: pipeline templates, heterogeneous pipelines, re-instantiation on failures."""
+    name: str = "oobleck"
+    f: int = 1  # failures to survive at once: templates for n0..N - f*n0 nodes, at least f+1 pipelines
+    batch_split: str = "auto"  # milp (pulp/CBC) | greedy | auto (MILP up to 24 pipelines, else the greedy fill)
+
+
+@dataclass
 class WandbConfig:
     """Weights & Biases sink. Offline runs land in the run folder; `wandb sync` uploads them."""
     mode: str = "${oc.env:WANDB_MODE,offline}"  # offline | online | disabled (default: $WANDB_MODE, else offline)
@@ -183,7 +191,7 @@ class FTBenchConfig:
 
 # Strategy schemas, by strategy name; later strategies add theirs here.
 STRATEGY_SCHEMAS: dict[str, type] = {"none": StrategyConfig, "checkpoint": CheckpointConfig,
-                                     "recycle": ReCycleConfig}  # presets reuse "checkpoint"
+                                     "recycle": ReCycleConfig, "oobleck": OobleckConfig}  # presets reuse "checkpoint"
 
 BACKENDS = ("sim", "local", "dist")  # backend=...; which of them run is ftbench.run's business
 

@@ -11,7 +11,7 @@ from itertools import chain
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ftbench.schedule import OPT, GridOps, Schedule, generate, grid_worker
+from ftbench.schedule import OPT, GridOps, Schedule, generate, grid_worker, read_ops
 
 LayerRange = tuple[int, int]  # [first, end) transformer blocks
 
@@ -276,3 +276,27 @@ def checkpoint_writers(plan: Plan) -> dict[int, int]:
         for _, stage in plan.holds[w]:
             holders[stage].append(w)
     return {stage: ws[stage % len(ws)] for stage, ws in sorted(holders.items())}
+
+
+def pipelines_plan(generator: str, pipelines: list[tuple[list[int], tuple[LayerRange, ...], int]], node_of,
+                   name: str = "") -> Plan:
+    """Heterogeneous pipelines (Oobleck): pipeline d runs on `workers` (one per stage, in stage
+    order) with its own layer cut and micro-batch count, each under `generator`'s order; the
+    pipelines share one global batch (pipeline d's micro-batches follow pipeline d-1's)."""
+    ops: dict[int, list] = {}
+    stages, counts, partition = [], [], []
+    for d, (workers, cut, microbatches) in enumerate(pipelines):
+        if len(workers) != len(cut):
+            raise ValueError(f"pipeline {d}: {len(cut)} stages on {len(workers)} workers")
+        one = generate(generator, len(cut), microbatches)
+        read = read_ops(one)
+        for s, w in enumerate(workers):
+            if w in ops:
+                raise ValueError(f"worker {w} is in two pipelines")
+            ops[w] = [op._replace(pipeline=d) for op in read(grid_worker(0, s, len(cut)))]
+        stages.append(len(cut))
+        counts.append(microbatches)
+        partition.append(tuple(cut))
+    schedule = Schedule(ops, stages=tuple(stages), microbatches=tuple(counts), name=generator)
+    return Plan(schedule=schedule, partition=tuple(partition), holds=holds_from_schedule(schedule),
+                node_of={w: node_of(w) for w in ops}, name=name or generator)

@@ -48,6 +48,60 @@ def peer_copies(old: Plan, new: Plan, alive, cost_model, kept=None) -> tuple[Tra
     return tuple(copies)
 
 
+def layer_copies(old: Plan, new: Plan, alive, cost_model) -> tuple[tuple[Transfer, ...], list[tuple[int, int]]]:
+    """The copies that give every worker of `new` the layers it lacks when the plans cut the
+    layers differently (Oobleck's re-instantiation): a worker keeps what it held of its new
+    layers, and each missing run of layers comes in pieces from live workers that held them,
+    the least loaded sender first. Returns (copies, unit runs no live worker holds)."""
+    from ftbench.layers import stage_units
+
+    n = cost_model.spec.layers
+    held: dict[int, list[tuple[int, int]]] = defaultdict(list)  # live worker -> units it held
+    holders_at: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # unit -> (lo, hi, worker)
+    for w, replicas in old.holds.items():
+        if not alive(w):
+            continue
+        for d, s in replicas:
+            lo, hi = stage_units(old.layers(d, s), s == 0, old.is_last_stage(d, s), n)
+            held[w].append((lo, hi))
+            for u in range(lo, hi):
+                holders_at[u].append((lo, hi, w))
+    sent = defaultdict(float)
+    copies, orphaned = [], []
+    for w in sorted(new.holds):
+        for d, s in new.holds[w]:
+            want = stage_units(new.layers(d, s), s == 0, new.is_last_stage(d, s), n)
+            for a, b in _subtract(want, held.get(w, ())):
+                u = a
+                while u < b:
+                    sources = holders_at.get(u)
+                    if not sources:
+                        orphaned.append((u, u + 1))
+                        u += 1
+                        continue
+                    _, hi, src = min(sources, key=lambda h: (sent[h[2]], h[2]))
+                    end = min(hi, b)
+                    nbytes = CHECKPOINT_BYTES_PER_PARAM * cost_model.unit_params((u, end))
+                    sent[src] += nbytes
+                    copies.append(_piece((u, end), n, src, w, nbytes))
+                    u = end
+    return tuple(copies), orphaned
+
+
+def _subtract(units: tuple[int, int], have) -> list[tuple[int, int]]:
+    """The runs of `units` outside every range in `have`."""
+    runs = [units]
+    for lo, hi in have:
+        runs = [r for a, b in runs for r in ((a, min(b, lo)), (max(a, hi), b)) if r[0] < r[1]]
+    return runs
+
+
+def _piece(units: tuple[int, int], n_layers: int, src: int, dst: int, nbytes: float) -> Transfer:
+    """A Transfer of the units [lo, hi): unit 0 the embeddings, 1..L the blocks, L+1 the head."""
+    lo, hi = units
+    return Transfer((max(lo, 1) - 1, min(hi, n_layers + 1) - 1), lo == 0, hi == n_layers + 2, src, dst, nbytes)
+
+
 def transfer_seconds(copies, node_of, cost_model) -> float:
     """Copies run in parallel, each limited by its links: a node sends and receives over its
     network link at `inter_node_gbps` (copies within a node over `intra_node_gbps` per GPU),

@@ -7,11 +7,12 @@ from ftbench.strategies.checkfreq import CheckFreq
 from ftbench.strategies.checkpoint import CheckpointRestart
 from ftbench.strategies.elastic_horovod import ElasticHorovod
 from ftbench.strategies.none import NoFaultTolerance
+from ftbench.strategies.oobleck import Oobleck
 from ftbench.strategies.recycle import ReCycle
 from ftbench.strategies.varuna import Varuna
 
 REGISTRY: dict[str, type] = {cls.name: cls for cls in (NoFaultTolerance, CheckpointRestart, CheckFreq,
-                                                       ElasticHorovod, Varuna, ReCycle)}
+                                                       ElasticHorovod, Varuna, ReCycle, Oobleck)}
 
 
 def build_strategy(cfg, ctx) -> Strategy:

@@ -210,27 +210,53 @@ class LocalEngine:
 
     def copy_replicas(self, copies, plan) -> None:
         """Perform named state copies (ftbench.actions.Transfer) and continue with `plan`: each
-        source sends its replica's weights and AdamW state through the transport, as held now,
-        to the destination, which holds those layers in `plan`."""
+        source sends the weights and AdamW state of the copy's layers, as held now, to the
+        destination, which holds them in `plan`. A copy may be a piece of the source's replica
+        and of the destination's: a replica the destination newly holds is assembled from
+        the pieces sent to it and what the destination itself held of its layers before."""
         n = model_layers(plan.partition)
         outgoing = []
         for c in copies:  # read every source before adopting: a source may change place in `plan`
-            src = self.workers.get(c.src)
-            if src is None or not src.alive or c.layers not in src.replicas:
-                raise RuntimeError(f"copy {c}: worker {c.src} holds no live replica of those layers")
             units = stage_units(c.layers, c.embedding, c.head, n)
-            outgoing.append((c, units, src.replicas[c.layers].shard()))
-        created = set(self.adopt(plan))
-        missing = created - {(c.dst, c.layers) for c in copies}
-        if missing:
-            w, layers = min(missing)
-            raise RuntimeError(f"worker {w} takes layers {layers} but no copy gives them their state")
+            replica = _holding(self.workers.get(c.src), units, n)
+            if replica is None:
+                raise RuntimeError(f"copy {c}: worker {c.src} holds no live replica of those layers")
+            outgoing.append((c, units, replica.shard(None if replica_units(replica, n) == units else units, n)))
+        kept = self._leaving_replicas(plan)
+        created = self.adopt(plan)
         transport = self.executor.transport
         for c, units, shard in outgoing:
             transport.send_state(units, shard, c.src, c.dst)
+        # Each replica a copy lands in: created ones start from what the worker held of their
+        # layers; one the worker kept (stale: it sat outside the last plan) from itself.
+        pieces = {key: list(kept.get(key[0], ())) for key in created}
         for c, units, _ in outgoing:
             received = transport.receive_state(units, c.src, c.dst)
-            self.workers[c.dst].replica(c.layers).load(received["model"], received["optim"])
+            replica = _holding(self.workers[c.dst], units, n)
+            key = (c.dst, replica.layers)
+            if key not in pieces:
+                pieces[key] = [replica.shard()]
+            pieces[key].append(received)  # later pieces win where they overlap
+        for (w, layers) in pieces:
+            try:
+                load_shards([self.workers[w].replica(layers)], pieces[(w, layers)])
+            except ResultError as err:
+                raise RuntimeError(f"worker {w} takes layers {layers} but no copy gives them their state "
+                                   f"({err})") from None
+
+    def _leaving_replicas(self, plan) -> dict[int, list[dict]]:
+        """What live workers of `plan` hold now in replicas `plan` does not keep (their state,
+        read before adopting drops them): part of a new replica over those layers."""
+        out: dict[int, list[dict]] = {}
+        for w, held in plan.holds.items():
+            worker = self.workers.get(w)
+            if worker is None or not worker.alive:
+                continue
+            wanted = {plan.layers(d, s) for d, s in held}
+            leaving = [r.shard() for layers, r in worker.replicas.items() if layers not in wanted]
+            if leaving:
+                out[w] = leaving
+        return out
 
     # -- results ------------------------------------------------------------------------
     def final_state(self) -> dict[str, torch.Tensor]:
@@ -246,6 +272,28 @@ class LocalEngine:
                     if not torch.equal(p, state[name]):
                         raise RuntimeError(f"replicas of {name} diverged (worker {w}, layers {layers})")
         return state
+
+
+def replica_units(replica, n_layers: int) -> tuple[int, int]:
+    """The units (ftbench.layers) a replica holds, from its parameters' names."""
+    from ftbench.layers import unit_of
+
+    units = [unit_of(name, n_layers) for name in replica.names.values()]
+    return min(units), max(units) + 1
+
+
+def _holding(worker, units, n_layers: int):
+    """The live replica of `worker` holding all of `units`, or None."""
+    if worker is None or not worker.alive:
+        return None
+    for replica in worker.replicas.values():
+        if _covers(replica_units(replica, n_layers), units):
+            return replica
+    return None
+
+
+def _covers(outer, inner) -> bool:
+    return outer[0] <= inner[0] and inner[1] <= outer[1]
 
 
 def to_device(obj, device):

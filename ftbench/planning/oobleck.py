@@ -1,0 +1,389 @@
+"""Oobleck's planning (Jang et al., SOSP 2023): pipeline templates, their instantiation over
+the live nodes, and the split of the global batch's micro-batches among the pipelines.
+
+**Templates.** A template is the best pipeline over n nodes: its stages, and the layers of
+each. A node's g GPUs each take one stage, consecutive stages of the same pipeline (the
+artifact's planner also lets a node hold several stages by dividing its GPUs; Oobleck's FSDP
+sharding of one stage over a node's GPUs has no counterpart in this schedule IR, and gives
+the pipeline the same pooled node memory). The layers are cut by dynamic programming over
+layer ranges, minimising the slowest stage (then the sum of stage times), with every stage's
+weights, gradients, Adam state and its 1F1B in-flight activations within one GPU's memory.
+
+n0 is the fewest nodes such a cut exists for. Templates exist for every node count n0 ..
+n_max = N - f*n0 (N: the job's nodes; f: the failures to survive).
+
+**Coverage.** Any M live nodes with (f+1)*n0 <= M <= N form at least f+1 pipelines, each of
+a template's size: f+1 pipelines of n0..n_max nodes can hold every total from (f+1)*n0 to
+(f+1)*n_max (sizes are consecutive, so one more node at a time reaches each), and
+(f+1)*n_max = (f+1)*(N - f*n0) >= N exactly when N >= (f+1)*n0, which the job must satisfy.
+No pipeline of such a set can exceed n_max, since the other f need n0 each. When the model's
+layers cap the pipeline length below n_max, `uncovered` names the counts no set reaches.
+
+**Instantiation.** Among the sets of pipeline sizes that use every live node with at least
+f+1 pipelines, the one whose batch split gives the shortest iteration wins: every set when
+there are few (Oobleck enumerates them), else the set of highest steady-state rate
+(sum of 1/slowest-stage), found by a knapsack over node counts.
+
+**Batch split.** The global batch's micro-batches are split among the pipelines to minimise
+the slowest one; pipeline p with B micro-batches takes about a_p + b_p*B (1F1B: its fill and
+drain, then one slowest stage per micro-batch). A MILP (pulp/CBC) for small instances; a
+greedy fill, which gives each next micro-batch to the pipeline that would finish it first
+(optimal for a max of non-decreasing costs), for large ones. Every pipeline gets at least one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ftbench.costs import ADAM_STATE_BYTES_PER_PARAM
+
+MILP_MAX_PIPELINES = 24  # larger batch splits use the greedy fill (equal optimum, no solver)
+ENUMERATE_MAX_SETS = 4000  # more sets of pipeline sizes than this: the knapsack picks one
+
+
+@dataclass(frozen=True)
+class Template:
+    """The pipeline of `nodes` nodes: per stage its layer range, the time per micro-batch of each."""
+    nodes: int
+    partition: tuple[tuple[int, int], ...]
+    stage_s: tuple[float, ...]  # F + B + W of one micro-batch, per stage
+
+    @property
+    def stages(self) -> int:
+        return len(self.partition)
+
+    @property
+    def fill_s(self) -> float:
+        """a in a + b*B: one micro-batch through every stage, less the slowest stage counted in b."""
+        return sum(self.stage_s) - max(self.stage_s)
+
+    @property
+    def per_microbatch_s(self) -> float:
+        return max(self.stage_s)
+
+    def time(self, microbatches: int) -> float:
+        return self.fill_s + self.per_microbatch_s * microbatches
+
+
+class Templates:
+    """Templates of one model on one kind of node, made on demand and kept."""
+
+    def __init__(self, cost_model, gpus_per_node: int):
+        self.cost, self.g = cost_model, gpus_per_node
+        self.layers = cost_model.spec.layers
+        self.memory = cost_model.memory_bytes
+        self._made: dict[int, Template | None] = {}
+
+    def get(self, nodes: int) -> Template | None:
+        """The template over `nodes` nodes; None when no cut fits (too few layers or too little memory)."""
+        if nodes not in self._made:
+            self._made[nodes] = self._make(nodes)
+        return self._made[nodes]
+
+    @property
+    def longest(self) -> int:
+        """The most nodes one pipeline can take: one stage per GPU needs a layer per stage."""
+        return self.layers // self.g
+
+    def n0(self) -> int | None:
+        """The fewest nodes whose GPUs hold the model with its optimizer state (None: no count does)."""
+        for n in range(1, self.longest + 1):
+            if self.get(n) is not None:
+                return n
+        return None
+
+    def _make(self, nodes: int) -> Template | None:
+        stages = nodes * self.g
+        if not 1 <= stages <= self.layers:
+            return None
+        cut = _cut(self.cost, stages, self.memory)
+        if cut is None:
+            return None
+        partition, times = cut
+        return Template(nodes, partition, times)
+
+
+def _stage_s(cost_model, layers, first: bool, last: bool) -> float:
+    c = cost_model.stage(layers, first, last)
+    return c.forward_s + c.backward_input_s + c.backward_weight_s
+
+
+def stage_bytes(cost_model, layers, index: int, stages: int) -> float:
+    """Peak memory of stage `index` of `stages` under 1F1B: its weights, gradients and Adam
+    state, and the activations of the stages - index micro-batches in flight."""
+    c = cost_model.stage(layers, index == 0, index == stages - 1)
+    return ADAM_STATE_BYTES_PER_PARAM * c.params + (stages - index) * (c.activation_bytes + c.recompute_bytes)
+
+
+def _cut(cost_model, stages: int, memory: float):
+    """The layer cut of `stages` stages minimising (slowest stage, sum of stages) among those
+    whose stages fit in `memory`; (partition, per-stage time) or None."""
+    L = cost_model.spec.layers
+    inf = (float("inf"), float("inf"))
+    # best[k][j]: the best (max, sum) over cuts of layers [0, j) into stages 0..k-1
+    best = [[inf] * (L + 1) for _ in range(stages + 1)]
+    back = [[0] * (L + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for k in range(1, stages + 1):
+        last = k == stages
+        for j in range(k, L - (stages - k) + 1) if not last else (L,):
+            for i in range(k - 1, j):
+                prev = best[k - 1][i]
+                if prev[0] == inf[0]:
+                    continue
+                if stage_bytes(cost_model, (i, j), k - 1, stages) > memory:
+                    continue
+                t = _stage_s(cost_model, (i, j), k == 1, last)
+                value = (max(prev[0], t), prev[1] + t)
+                if value < best[k][j]:
+                    best[k][j], back[k][j] = value, i
+    if best[stages][L] == inf:
+        return None
+    ranges, j = [], L
+    for k in range(stages, 0, -1):
+        i = back[k][j]
+        ranges.append((i, j))
+        j = i
+    partition = tuple(reversed(ranges))
+    times = tuple(_stage_s(cost_model, r, k == 0, k == stages - 1) for k, r in enumerate(partition))
+    return partition, times
+
+
+# -- coverage ---------------------------------------------------------------------------
+def template_range(n0: int, nodes: int, f: int) -> tuple[int, int]:
+    """[n0, n_max] with n_max = N - f*n0."""
+    return n0, nodes - f * n0
+
+
+def uncovered(sizes, f: int, lo: int, hi: int) -> list[int]:
+    """The live-node counts in [lo, hi] that no set of at least f+1 pipelines of `sizes` sums to."""
+    sizes = sorted(set(sizes))
+    reach = _reachable(tuple(sizes), f + 1, hi)
+    return [m for m in range(lo, hi + 1) if not reach[m]]
+
+
+def _reachable(sizes: tuple[int, ...], least: int, top: int) -> list[bool]:
+    """reach[m]: some multiset of at least `least` sizes sums to m (m <= top)."""
+    # count[m]: the most pipelines (capped at `least`) of a multiset summing to m; -1: none
+    count = [-1] * (top + 1)
+    count[0] = 0
+    for m in range(1, top + 1):
+        for n in sizes:
+            if n <= m and count[m - n] >= 0:
+                count[m] = max(count[m], min(least, count[m - n] + 1))
+    return [c >= least for c in count]
+
+
+# -- batch split --------------------------------------------------------------------------
+def split_batch(templates: list[Template], microbatches: int, solver: str = "auto") -> tuple[int, ...] | None:
+    """Micro-batches per pipeline (in the order given), minimising the slowest pipeline's time;
+    None when there are fewer micro-batches than pipelines."""
+    if microbatches < len(templates):
+        return None
+    if solver == "milp" or (solver == "auto" and len(templates) <= MILP_MAX_PIPELINES):
+        return split_milp(templates, microbatches)
+    return split_greedy(templates, microbatches)
+
+
+def split_greedy(templates: list[Template], microbatches: int) -> tuple[int, ...]:
+    """One micro-batch each, then each next one to the pipeline that would finish it earliest
+    (ties: the lowest index); pipelines of the same template take turns."""
+    import heapq
+
+    counts = [1] * len(templates)
+    heap = [(t.time(2), p) for p, t in enumerate(templates)]
+    heapq.heapify(heap)
+    for _ in range(microbatches - len(templates)):
+        _, p = heapq.heappop(heap)
+        counts[p] += 1
+        heapq.heappush(heap, (templates[p].time(counts[p] + 1), p))
+    return tuple(counts)
+
+
+def split_milp(templates: list[Template], microbatches: int) -> tuple[int, ...]:
+    """min Z s.t. Z >= a_p + b_p*B_p, sum B_p = micro-batches, B_p >= 1 integer (pulp/CBC);
+    pipelines of one template get non-increasing counts (the same pipeline, renamed)."""
+    import pulp
+
+    problem = pulp.LpProblem("oobleck_batch", pulp.LpMinimize)
+    z = pulp.LpVariable("slowest", lowBound=0)
+    b = [pulp.LpVariable(f"b{p}", lowBound=1, upBound=microbatches, cat="Integer") for p in range(len(templates))]
+    problem += z
+    scale = max(t.per_microbatch_s for t in templates)  # times in units of the slowest stage: a well-scaled problem
+    for p, t in enumerate(templates):
+        problem += z >= t.fill_s / scale + (t.per_microbatch_s / scale) * b[p]
+    problem += pulp.lpSum(b) == microbatches
+    for p in range(1, len(templates)):
+        if templates[p] == templates[p - 1]:
+            problem += b[p - 1] >= b[p]
+    status = problem.solve(pulp.PULP_CBC_CMD(msg=False))
+    if pulp.LpStatus[status] != "Optimal":
+        return split_greedy(templates, microbatches)
+    counts = [int(round(v.value())) for v in b]
+    greedy = split_greedy(templates, microbatches)
+    # CBC's integrality tolerance can leave an equal-cost split in another order: keep the
+    # fill's if it is no slower (both are optimal then; the fill's is deterministic).
+    if slowest(templates, greedy) <= slowest(templates, counts) + 1e-12:
+        return greedy
+    return tuple(counts)
+
+
+def slowest(templates: list[Template], counts) -> float:
+    return max(t.time(c) for t, c in zip(templates, counts))
+
+
+# -- instantiation ----------------------------------------------------------------------------
+def instantiate(templates: Templates, sizes: list[int], live: int, f: int, microbatches: int):
+    """The best set of pipeline sizes (largest first) using exactly `live` nodes with at least
+    f+1 pipelines, each a size of `sizes`, and its batch split: (sizes, counts) or None."""
+    sizes = sorted({n for n in sizes if templates.get(n) is not None})
+    if not sizes:
+        return None
+    best = None
+    for combo in _candidate_sets(templates, tuple(sizes), live, f + 1, microbatches):
+        ts = [templates.get(n) for n in combo]
+        counts = split_batch(ts, microbatches)
+        if counts is None:
+            continue
+        value = (slowest(ts, counts), -len(combo), combo)
+        if best is None or value < best[0]:
+            best = (value, combo, counts)
+    return None if best is None else (best[1], best[2])
+
+
+def _candidate_sets(templates: Templates, sizes: tuple[int, ...], live: int, least: int, microbatches: int):
+    """Every multiset of sizes summing to `live` with at least `least` members (at most one per
+    micro-batch), when there are few; else the one of highest steady-state rate."""
+    sets = _sets(sizes, live, least, min(microbatches, live), ENUMERATE_MAX_SETS)
+    if sets is not None:
+        return sets
+    rate = {n: 1.0 / templates.get(n).per_microbatch_s for n in sizes}
+    found = _best_rate_set(sizes, live, least, rate)
+    return [found] if found is not None else []
+
+
+def _sets(sizes, total: int, least: int, most: int, limit: int):
+    """Multisets (largest first) of `sizes` summing to `total` with least..most members; None
+    past `limit` of them."""
+    out = []
+    descending = sorted(sizes, reverse=True)
+
+    def walk(i: int, left: int, chosen: list[int]) -> bool:
+        if left == 0:
+            if least <= len(chosen) <= most:
+                out.append(tuple(chosen))
+                if len(out) > limit:
+                    return False
+            return True
+        if len(chosen) >= most:
+            return True
+        for k in range(i, len(descending)):
+            n = descending[k]
+            if n <= left:
+                chosen.append(n)
+                ok = walk(k, left - n, chosen)
+                chosen.pop()
+                if not ok:
+                    return False
+        return True
+
+    return out if walk(0, total, []) else None
+
+
+def _best_rate_set(sizes, total: int, least: int, rate: dict) -> tuple[int, ...] | None:
+    """Knapsack: the multiset of sizes summing exactly to `total`, with at least `least`
+    members, of highest summed rate."""
+    neg = float("-inf")
+    # value[m][c]: best rate for m nodes with min(members, least) = c; choice: the last size added
+    value = [[neg] * (least + 1) for _ in range(total + 1)]
+    choice = [[None] * (least + 1) for _ in range(total + 1)]
+    value[0][0] = 0.0
+    for m in range(1, total + 1):
+        for n in sizes:
+            if n > m:
+                continue
+            for c in range(least + 1):
+                v = value[m - n][c]
+                if v == neg:
+                    continue
+                c2 = min(least, c + 1)
+                if v + rate[n] > value[m][c2]:
+                    value[m][c2], choice[m][c2] = v + rate[n], (n, c)
+    if value[total][least] == neg:
+        return None
+    combo, m, c = [], total, least
+    while m > 0:
+        n, c = choice[m][c]
+        combo.append(n)
+        m -= n
+    return tuple(sorted(combo, reverse=True))
+
+
+# -- reconfiguration ------------------------------------------------------------------------
+class Unrecoverable(Exception):
+    pass
+
+
+def reconfigure(pipelines: list[list[int]], lost: set[int], n0: int, longest: int) -> tuple[list[list[int]], str]:
+    """Oobleck's rules after nodes in `lost` fail, on pipelines given as node lists (in stage
+    order). In order: drop the lost nodes (a pipeline left with n0 or more takes the template
+    of its new size); a pipeline left short **borrows** nodes, one at a time from the end of
+    the largest pipeline that has more than n0 (the last such on ties), until it has n0 or no
+    pipeline can lend; pipelines still short are **merged**, each absorbing the next short one
+    until it has n0, the last one absorbing a whole healthy pipeline (the first) if it must.
+    Raises Unrecoverable when the nodes cannot form one pipeline of n0, or a merge would need
+    a pipeline longer than `longest` nodes. Returns (pipelines, the last rule used: "template",
+    "borrow" or "merge")."""
+    kept = [[n for n in p if n not in lost] for p in pipelines]
+    kept = [p for p in kept if p]
+    if sum(map(len, kept)) < n0:
+        raise Unrecoverable(f"{sum(map(len, kept))} nodes are left, fewer than one pipeline's n0 = {n0}")
+    rule = "template"
+    for short in [p for p in kept if len(p) < n0]:
+        while len(short) < n0:
+            donors = [p for p in kept if len(p) > n0]
+            if not donors:
+                break
+            donor = max(reversed(donors), key=len)  # the largest; the last of equals
+            short.append(donor.pop())
+            rule = "borrow"
+    if any(len(p) < n0 for p in kept):
+        kept, rule = _merge(kept, n0), "merge"
+    for p in kept:
+        if len(p) > longest:
+            raise Unrecoverable(f"merging pipelines gives {len(p)} nodes, more than the {longest} one pipeline "
+                                "can take (a GPU per stage, a layer per stage)")
+    return kept, rule
+
+
+def _merge(pipelines: list[list[int]], n0: int) -> list[list[int]]:
+    shorts = [p for p in pipelines if len(p) < n0]
+    healthy = [p for p in pipelines if len(p) >= n0]
+    merged: list[list[int]] = []
+    current: list[int] = []
+    for p in shorts:
+        current = current + p
+        if len(current) >= n0:
+            merged.append(current)
+            current = []
+    if current:  # the last short one: it absorbs a whole healthy pipeline, else the last merged one
+        if healthy:
+            merged.append(current + healthy.pop(0))
+        else:
+            merged[-1] = merged[-1] + current
+    return healthy + merged
+
+
+def grow(pipelines: list[list[int]], idle: list[int], n0: int, longest: int) -> tuple[list[list[int]], list[int]]:
+    """Joined nodes: n0 of them together start a new pipeline; fewer each go to the shortest
+    pipeline that can take one more (its template of one more node). (pipelines, still idle)."""
+    pipelines = [list(p) for p in pipelines]
+    idle = list(idle)
+    while len(idle) >= n0:
+        pipelines.append(idle[:n0])
+        idle = idle[n0:]
+    while idle:
+        room = [p for p in pipelines if len(p) < longest]
+        if not room:
+            break
+        min(room, key=len).append(idle.pop(0))
+    return pipelines, idle

@@ -1,0 +1,147 @@
+"""`oobleck`: Oobleck's pipeline templates and re-instantiation (Jang et al., SOSP 2023).
+
+Before training, a *pipeline template* is planned for every node count from n0 (the fewest
+nodes whose GPUs hold the model and its optimizer state) to N - f*n0, each with its own cut
+of the layers (ftbench.planning.oobleck). The job runs as heterogeneous pipelines built from
+templates over every live node, at least f+1 of them, so every layer has f+1 holders on
+disjoint nodes; the global batch's micro-batches are split among the pipelines so the
+slowest finishes first, and each layer's gradients are reduced across every pipeline that
+holds it. The global batch never changes.
+
+On a failure the pipelines are re-instantiated: a damaged pipeline takes the template of its
+new size; one left below n0 borrows nodes from the largest pipeline, and pipelines still too
+short are merged. Every layer a worker newly holds is copied, weights and optimizer state,
+from a surviving holder (in pieces when the cuts differ, in parallel over the links); the
+iteration in flight is lost. Joined nodes grow the pipelines back (n0 of them start a new
+one). Fewer live nodes than (f+1)*n0, or a layer no survivor holds, is unrecoverable.
+"""
+from __future__ import annotations
+
+from ftbench.actions import Rendezvous, SyncFromPeers
+from ftbench.errors import ConfigError
+from ftbench.failures import FailureEvent
+from ftbench.plan import Plan, pipelines_plan
+from ftbench.planning.oobleck import (Templates, Unrecoverable, grow, instantiate, reconfigure, split_batch,
+                                      template_range, uncovered)
+from ftbench.strategies.base import Recovery
+from ftbench.transfers import layer_copies
+
+SPLITS = ("auto", "milp", "greedy")
+
+
+class Oobleck:
+    name = "oobleck"
+    checkpoint_mode = None
+
+    def __init__(self, cfg, ctx):
+        self.cfg, self.ctx = cfg, ctx
+        self.f = int(cfg.get("f", 1))
+        if self.f < 0:
+            raise ConfigError("strategy.f", f"must be 0 or more failures, got {self.f}",
+                              "set strategy.f=1 (survive one failure at a time)")
+        self.split = cfg.get("batch_split", "auto")
+        if self.split not in SPLITS:
+            raise ConfigError("strategy.batch_split", f"unknown split '{self.split}'", f"choose one of {', '.join(SPLITS)}")
+        self.microbatches = ctx.global_batch // ctx.microbatch_size
+        self.pipelines: list[list[int]] = []  # node lists, in stage order
+        self.idle: list[int] = []  # live nodes in no pipeline (joined, waiting for enough to use)
+        self.current: Plan | None = None
+        self.coverage_gaps: list[int] = []
+
+    # -- plan ---------------------------------------------------------------------------
+    def plan(self, cluster) -> Plan:
+        self.templates = Templates(self.ctx.cost_model, cluster.gpus_per_node)
+        t = self.templates
+        n0 = t.n0()
+        if n0 is None:
+            raise ConfigError("model", f"{self.ctx.spec.name} fits on no pipeline of nodes with {cluster.gpus_per_node} "
+                              f"GPUs of {self.ctx.cost_model.hw.memory_gb:g} GB (one stage per GPU, a layer per stage)",
+                              "use GPUs with more memory (hardware=...), more GPUs per node, or a smaller model")
+        self.n0 = n0
+        nodes = cluster.nodes
+        lo, hi = template_range(n0, nodes, self.f)
+        if hi < lo:
+            raise ConfigError("strategy.f", f"{nodes} nodes cannot form f+1 = {self.f + 1} pipelines of n0 = {n0} nodes "
+                              f"({self.ctx.spec.name} needs {n0} node(s) per pipeline)",
+                              f"lower strategy.f, or use at least {(self.f + 1) * n0} nodes")
+        self.sizes = [n for n in range(lo, min(hi, t.longest) + 1) if t.get(n) is not None]
+        # Only the layer count can cap templates below n_max; then some counts may lack a set.
+        self.coverage_gaps = uncovered(self.sizes, self.f, (self.f + 1) * n0, nodes)
+        live = sorted(n for n in cluster.alive if n < nodes)
+        found = instantiate(t, self.sizes, len(live), self.f, self.microbatches)
+        if found is None:
+            raise ConfigError("train.microbatches", f"no set of at least {self.f + 1} pipelines over {len(live)} nodes "
+                              f"gets a micro-batch each from {self.microbatches}",
+                              "raise the global batch (train.microbatches x cluster.dp), or lower strategy.f")
+        sizes, _ = found
+        self.pipelines, at = [], 0
+        for n in sizes:
+            self.pipelines.append(live[at:at + n])
+            at += n
+        self.current = self._build(cluster)
+        return self.current
+
+    def _build(self, cluster, rule: str = "") -> Plan:
+        """The plan of the current pipelines: each on its template, the batch split among them."""
+        t = self.templates
+        templates = [t.get(len(p)) for p in self.pipelines]
+        counts = split_batch(templates, self.microbatches, self.split)
+        if counts is None:
+            raise Unrecoverable(f"{len(self.pipelines)} pipelines but only {self.microbatches} micro-batches")
+        specs = []
+        for nodes, template, m in zip(self.pipelines, templates, counts):
+            workers = [w for node in nodes for w in cluster.workers_on(node)]
+            specs.append((workers, template.partition, m))
+        shape = "+".join(str(len(p)) for p in self.pipelines)
+        name = f"oobleck[{shape}]" + (f" after {rule}" if rule else "")
+        return pipelines_plan(self.ctx.schedule_name, specs, cluster.node_of, name=name)
+
+    # -- membership ---------------------------------------------------------------------
+    def on_event(self, event: FailureEvent, cluster, iteration: int) -> Recovery:
+        node = event.node
+        if event.kind == "join":
+            return self._join(node, cluster)
+        if node in self.idle:
+            self.idle.remove(node)
+            return Recovery()
+        if not any(node in p for p in self.pipelines):
+            return Recovery()  # a node outside the job (a standby)
+        live = sum(map(len, self.pipelines)) - 1 + len(self.idle)
+        least = (self.f + 1) * self.n0
+        if live < least:
+            return Recovery(unrecoverable=f"{live} nodes are left, fewer than (f+1)*n0 = {least}: oobleck keeps at "
+                            f"least f+1 = {self.f + 1} pipelines of n0 = {self.n0} nodes")
+        try:
+            pipelines, rule = reconfigure(self.pipelines, {node}, self.n0, self.templates.longest)
+            if self.idle:  # nodes waiting for a pipeline take part now
+                pipelines, self.idle = grow(pipelines, self.idle, self.n0, self.templates.longest)
+        except Unrecoverable as why:
+            return Recovery(unrecoverable=str(why))
+        return self._switch(pipelines, cluster, rule)
+
+    def _join(self, node: int, cluster) -> Recovery:
+        if node >= cluster.nodes or any(node in p for p in self.pipelines) or node in self.idle:
+            return Recovery()
+        pipelines, idle = grow(self.pipelines, self.idle + [node], self.n0, self.templates.longest)
+        self.idle = idle
+        if pipelines == self.pipelines:
+            return Recovery()
+        return self._switch(pipelines, cluster, "join")
+
+    def _switch(self, pipelines: list[list[int]], cluster, rule: str) -> Recovery:
+        """Continue on `pipelines`; `rule` (template, borrow, merge, join) names the plan."""
+        old, before = self.current, self.pipelines
+        self.pipelines = pipelines
+        try:
+            new = self._build(cluster, rule)
+        except Unrecoverable as why:
+            self.pipelines = before
+            return Recovery(unrecoverable=str(why))
+        alive = cluster.alive
+        copies, orphaned = layer_copies(old, new, lambda w: cluster.node_of(w) in alive, self.ctx.cost_model)
+        if orphaned:
+            self.pipelines = before
+            return Recovery(unrecoverable=f"no surviving worker holds unit {orphaned[0][0]} of the model "
+                            "(units: 0 the embeddings, 1..L the blocks, L+1 the head)")
+        self.current = new
+        return Recovery(actions=[Rendezvous(), SyncFromPeers(copies)], plan=new)
