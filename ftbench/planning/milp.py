@@ -326,9 +326,7 @@ class _Model:
         self.constraints = m.numConstraints()
 
     def _var(self, name: str, low: float, high: float, cat: str = pulp.LpContinuous) -> pulp.LpVariable:
-        if hasattr(self.m, "add_variable"):  # pulp >= 3.3; LpVariable(...) alone is deprecated there
-            return self.m.add_variable(name, low, high, cat=cat)
-        return pulp.LpVariable(name, low, high, cat=cat)
+        return variable(self.m, name, low, high, cat)
 
     def order_expr(self, a: Op, b: Op):
         """[a before b] on one worker: 1, 0, or an expression in the binaries."""
@@ -426,7 +424,14 @@ def _initial(var: pulp.LpVariable, value: float) -> None:
     var.setInitialValue(min(max(value, low), high))
 
 
-def _cbc(time_limit_s: float, log_path: str):
+def variable(problem, name: str, low, high, cat: str = pulp.LpContinuous) -> pulp.LpVariable:
+    """A variable of `problem` (pulp >= 3.3 attaches it; LpVariable(...) alone is deprecated there)."""
+    if hasattr(problem, "add_variable"):
+        return problem.add_variable(name, low, high, cat=cat)
+    return pulp.LpVariable(name, low, high, cat=cat)
+
+
+def _cbc(time_limit_s: float, log_path: str | None):
     # pulp 3 deprecates PULP_CBC_CMD; its bundled binary is the same CBC run through COIN_CMD.
     path = getattr(pulp.PULP_CBC_CMD, "pulp_cbc_path", None)
     if path is None or not os.path.exists(path):

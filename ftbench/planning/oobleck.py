@@ -20,9 +20,10 @@ No pipeline of such a set can exceed n_max, since the other f need n0 each. When
 layers cap the pipeline length below n_max, `uncovered` names the counts no set reaches.
 
 **Instantiation.** Among the sets of pipeline sizes that use every live node with at least
-f+1 pipelines, the one whose batch split gives the shortest iteration wins: every set when
-there are few (Oobleck enumerates them), else the set of highest steady-state rate
-(sum of 1/slowest-stage), found by a knapsack over node counts.
+f+1 pipelines, the one whose batch split gives the shortest iteration wins. Oobleck
+enumerates the sets; so do we when there are few, rank them by the split's continuous
+optimum and split the best few exactly. When there are many (hundreds of nodes), the set of
+highest steady-state rate (sum of 1/slowest-stage) is found by a knapsack over node counts.
 
 **Batch split.** The global batch's micro-batches are split among the pipelines to minimise
 the slowest one; pipeline p with B micro-batches takes about a_p + b_p*B (1F1B: its fill and
@@ -37,7 +38,9 @@ from dataclasses import dataclass
 from ftbench.costs import ADAM_STATE_BYTES_PER_PARAM
 
 MILP_MAX_PIPELINES = 24  # larger batch splits use the greedy fill (equal optimum, no solver)
-ENUMERATE_MAX_SETS = 4000  # more sets of pipeline sizes than this: the knapsack picks one
+MILP_TIME_LIMIT_S = 10.0
+ENUMERATE_MAX_SETS = 4000
+EXACT_SPLITS = 8  # sets of pipeline sizes whose batch split is computed exactly (the best by the relaxation)  # more sets of pipeline sizes than this: the knapsack picks one
 
 
 @dataclass(frozen=True)
@@ -204,9 +207,11 @@ def split_milp(templates: list[Template], microbatches: int) -> tuple[int, ...]:
     pipelines of one template get non-increasing counts (the same pipeline, renamed)."""
     import pulp
 
+    from ftbench.planning.milp import _cbc, variable
+
     problem = pulp.LpProblem("oobleck_batch", pulp.LpMinimize)
-    z = pulp.LpVariable("slowest", lowBound=0)
-    b = [pulp.LpVariable(f"b{p}", lowBound=1, upBound=microbatches, cat="Integer") for p in range(len(templates))]
+    z = variable(problem, "slowest", 0, None)
+    b = [variable(problem, f"b{p}", 1, microbatches, pulp.LpInteger) for p in range(len(templates))]
     problem += z
     scale = max(t.per_microbatch_s for t in templates)  # times in units of the slowest stage: a well-scaled problem
     for p, t in enumerate(templates):
@@ -215,7 +220,7 @@ def split_milp(templates: list[Template], microbatches: int) -> tuple[int, ...]:
     for p in range(1, len(templates)):
         if templates[p] == templates[p - 1]:
             problem += b[p - 1] >= b[p]
-    status = problem.solve(pulp.PULP_CBC_CMD(msg=False))
+    status = problem.solve(_cbc(MILP_TIME_LIMIT_S, None))
     if pulp.LpStatus[status] != "Optimal":
         return split_greedy(templates, microbatches)
     counts = [int(round(v.value())) for v in b]
@@ -238,16 +243,25 @@ def instantiate(templates: Templates, sizes: list[int], live: int, f: int, micro
     sizes = sorted({n for n in sizes if templates.get(n) is not None})
     if not sizes:
         return None
+    sets = _candidate_sets(templates, tuple(sizes), live, f + 1, microbatches)
+    # Rank by the split's continuous optimum (cheap), then split the best few exactly.
+    ranked = sorted(sets, key=lambda combo: (_relaxed(templates, combo, microbatches), -len(combo), combo))
     best = None
-    for combo in _candidate_sets(templates, tuple(sizes), live, f + 1, microbatches):
+    for combo in ranked[:EXACT_SPLITS]:
         ts = [templates.get(n) for n in combo]
-        counts = split_batch(ts, microbatches)
-        if counts is None:
-            continue
+        counts = split_greedy(ts, microbatches)
         value = (slowest(ts, counts), -len(combo), combo)
         if best is None or value < best[0]:
             best = (value, combo, counts)
     return None if best is None else (best[1], best[2])
+
+
+def _relaxed(templates: Templates, combo: tuple[int, ...], microbatches: int) -> float:
+    """The slowest pipeline's time if micro-batches could be split in fractions: Z with
+    sum over pipelines of (Z - a_p) / b_p = micro-batches."""
+    ts = [templates.get(n) for n in combo]
+    rate = sum(1.0 / t.per_microbatch_s for t in ts)
+    return (microbatches + sum(t.fill_s / t.per_microbatch_s for t in ts)) / rate
 
 
 def _candidate_sets(templates: Templates, sizes: tuple[int, ...], live: int, least: int, microbatches: int):

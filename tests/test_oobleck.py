@@ -1,0 +1,176 @@
+"""Oobleck: templates cover every live-node count, instantiation uses every live node with at
+least f+1 pipelines and keeps the global batch, the batch split is optimal, the paper's
+re-instantiation rules (borrow, merge), and heterogeneous pipelines with different cuts that
+train exactly what fault-free training trains across a borrow, a merge, a join and seeded
+random failures."""
+import itertools
+import random
+
+import pytest
+
+from conftest import LOCAL, assert_matches_fault_free, compose, run
+from ftbench.context import RunContext
+from ftbench.planning.oobleck import (Template, Templates, Unrecoverable, instantiate, reconfigure, slowest,
+                                      split_greedy, split_milp, stage_bytes, uncovered)
+
+# gpt-tiny with 6 MB GPUs: a pipeline needs 2 nodes (n0 = 2), and templates cut the layers
+# differently (2 nodes: 4 + 4 blocks, 3 nodes: 3 + 3 + 2, ...). 8 nodes: 4 pipelines of 2.
+SETUP = ("strategy=oobleck", "hardware.memory_gb=0.006", "cluster.pp=2", "cluster.dp=4")
+
+
+def _ctx(*overrides):
+    return RunContext.from_config(compose(*LOCAL, *SETUP, *overrides))
+
+
+# -- templates and coverage ---------------------------------------------------------------------
+def _brute_covered(sizes, f, m) -> bool:
+    for k in range(f + 1, m // min(sizes) + 1):
+        if any(sum(c) == m for c in itertools.combinations_with_replacement(sizes, k)):
+            return True
+    return False
+
+
+def test_templates_from_n0_to_n_max_cover_every_live_count():
+    """Templates for n0 .. N - f*n0 let every count from (f+1)*n0 to N form f+1 or more pipelines."""
+    for nodes in range(2, 41):
+        for f in range(4):
+            for n0 in range(1, 7):
+                if (f + 1) * n0 > nodes:
+                    continue
+                sizes = range(n0, nodes - f * n0 + 1)
+                assert uncovered(sizes, f, (f + 1) * n0, nodes) == [], (nodes, f, n0)
+
+
+def test_uncovered_counts_agree_with_brute_force():
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = sorted(rng.sample(range(1, 9), rng.randint(1, 3)))
+        f, top = rng.randint(0, 2), rng.randint(1, 20)
+        expected = [m for m in range(1, top + 1) if not _brute_covered(sizes, f, m)]
+        assert uncovered(sizes, f, 1, top) == expected, (sizes, f, top)
+
+
+def test_a_template_is_the_best_cut_that_fits_in_memory():
+    ctx = _ctx()
+    t = Templates(ctx.cost_model, 1)
+    L, memory = ctx.spec.layers, ctx.cost_model.memory_bytes
+    assert t.n0() == 2 and t.get(1) is None  # the whole model does not fit on one 6 MB GPU
+
+    def stage_s(r, k, S):
+        c = ctx.cost_model.stage(r, k == 0, k == S - 1)
+        return c.forward_s + c.backward_input_s + c.backward_weight_s
+
+    for S in range(2, 6):
+        best = None
+        for cuts in itertools.combinations(range(1, L), S - 1):
+            bounds = (0, *cuts, L)
+            ranges = [(bounds[k], bounds[k + 1]) for k in range(S)]
+            if any(stage_bytes(ctx.cost_model, r, k, S) > memory for k, r in enumerate(ranges)):
+                continue
+            times = [stage_s(r, k, S) for k, r in enumerate(ranges)]
+            value = (max(times), sum(times))
+            best = value if best is None or value < best else best
+        template = t.get(S)
+        assert (max(template.stage_s), sum(template.stage_s)) == pytest.approx(best, rel=1e-12)
+        assert all(stage_bytes(ctx.cost_model, r, k, S) <= memory for k, r in enumerate(template.partition))
+
+
+# -- instantiation and batch split ------------------------------------------------------------
+@pytest.mark.parametrize("model,hardware,gpus", [("gpt3-6.7b", "a100-40gb", 4), ("gpt3-medium", "v100-16gb", 1)])
+def test_instantiation_uses_every_live_node_and_keeps_the_global_batch(model, hardware, gpus):
+    cfg = compose("backend=sim", f"model={model}", f"hardware={hardware}")
+    ctx = RunContext.from_config(cfg)
+    t = Templates(ctx.cost_model, gpus)
+    n0, f, N, microbatches = t.n0(), 1, 30, 128
+    sizes = [n for n in range(n0, min(N - f * n0, t.longest) + 1) if t.get(n)]
+    for live in range((f + 1) * n0, N + 1):
+        chosen, counts = instantiate(t, sizes, live, f, microbatches)
+        assert sum(chosen) == live and len(chosen) >= f + 1
+        assert sum(counts) == microbatches and min(counts) >= 1
+        assert all(n in sizes for n in chosen)
+
+
+def _random_templates(rng, k):
+    kinds = [Template(n, tuple((i, i + 1) for i in range(n)), tuple(rng.uniform(0.5, 2.0) for _ in range(n)))
+             for n in range(1, 4)]
+    return [rng.choice(kinds) for _ in range(k)]
+
+
+def test_the_batch_split_is_optimal():
+    """The greedy fill and the MILP reach the same slowest pipeline, that of brute force."""
+    rng = random.Random(1)
+    for case in range(40):
+        k = rng.randint(1, 4)
+        templates = sorted(_random_templates(rng, k), key=lambda t: t.nodes)
+        m = rng.randint(k, 9)
+        brute = min(slowest(templates, c) for c in itertools.product(range(1, m + 1), repeat=k) if sum(c) == m)
+        greedy, milp = split_greedy(templates, m), split_milp(templates, m)
+        assert sum(greedy) == sum(milp) == m
+        assert slowest(templates, greedy) == pytest.approx(brute, rel=1e-12), case
+        assert slowest(templates, milp) == pytest.approx(brute, rel=1e-9), case
+
+
+# -- re-instantiation rules ---------------------------------------------------------------------
+def test_a_short_pipeline_borrows_from_the_largest():
+    pipelines = [[0, 1], [2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    after, rule = reconfigure(pipelines, {1, 3, 4}, n0=2, longest=8)
+    assert rule == "borrow"
+    assert sorted(map(sorted, after)) == [[0, 13], [2, 12], [5, 6, 7, 8], [9, 10, 11]]
+
+
+def test_short_pipelines_merge_and_the_last_absorbs_a_whole_one():
+    after, rule = reconfigure([[0, 1], [4, 5], [8, 9], [12, 13]], {1, 5, 9}, n0=2, longest=8)
+    assert rule == "merge"
+    assert sorted(map(sorted, after)) == [[0, 4], [8, 12, 13]]
+
+
+def test_reinstantiation_without_a_fitting_template_is_unrecoverable():
+    with pytest.raises(Unrecoverable, match="fewer than one pipeline"):
+        reconfigure([[0, 1, 2]], {0, 1}, n0=2, longest=8)
+    with pytest.raises(Unrecoverable, match="more than the 2"):
+        reconfigure([[0, 1], [2, 3]], {3}, n0=2, longest=2)  # [2] must absorb [0, 1]: 3 nodes
+
+
+# -- training ---------------------------------------------------------------------------------------
+def _rules(summary) -> list[str]:
+    return [r["plan"].split(" after ")[-1] for r in summary["recoveries"]]
+
+
+@pytest.mark.parametrize("events,rules", [
+    ("[{iteration:2,node:1}]", ["merge"]),
+    ("[{iteration:2,node:1},{iteration:4,node:5}]", ["merge", "borrow"]),
+    ("[{iteration:2,node:6},{iteration:5,node:6,kind:join}]", ["merge", "join"]),
+], ids=["merge", "borrow", "join"])
+def test_heterogeneous_pipelines_train_the_fault_free_model(tmp_path, events, rules):
+    summary = assert_matches_fault_free(tmp_path, setup=SETUP, faults=(f"failures.events={events}",))
+    assert _rules(summary) == rules
+    first = summary["recoveries"][0]
+    assert first["actions"] == ["Rendezvous", "SyncFromPeers"] and first["lost_iterations"] == 0
+    assert any(c["layers"] for c in first["copies"])  # layers moved between pipelines cut differently
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_seeded_random_failures_train_the_fault_free_model(tmp_path, seed):
+    rng = random.Random(f"oobleck-{seed}")
+    nodes = rng.sample(range(8), 2)
+    iterations = sorted(rng.sample(range(1, 9), 2))
+    events = ",".join(f"{{iteration:{i},node:{n}}}" for i, n in zip(iterations, nodes))
+    summary = assert_matches_fault_free(tmp_path, setup=SETUP, faults=(f"failures.events=[{events}]",))
+    assert summary["failures"] == 2
+
+
+def test_fewer_nodes_than_f_plus_one_pipelines_is_unrecoverable(tmp_path):
+    summary = run(tmp_path, *LOCAL, "strategy=oobleck", "hardware.memory_gb=0.006", "cluster.pp=2", "cluster.dp=2",
+                  "failures.events=[{iteration:2,node:3}]")
+    assert summary["status"] == "unrecoverable" and "(f+1)*n0 = 4" in summary["error"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("strategy.f=-1", "must be 0 or more"),
+    ("strategy.f=5", "cannot form f+1 = 6 pipelines"),
+    ("strategy.batch_split=exact", "unknown split 'exact'"),
+])
+def test_bad_settings_name_the_setting(tmp_path, override, message):
+    summary = run(tmp_path, "backend=sim", "model=gpt-tiny", "strategy=oobleck", "cluster.pp=1", "cluster.dp=4", override)
+    assert summary["status"] == "error" and message in summary["error"], summary["error"]
+    assert override.split("=")[0] in summary["error"]
