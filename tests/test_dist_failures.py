@@ -109,6 +109,7 @@ def test_a_seeded_random_kill(tmp_path, strategy):
     ("checkpoint", [dict(iteration=3, node=3)]),
     ("elastic-horovod", [dict(iteration=2, node=1), dict(iteration=5, node=3)]),
     ("recycle", [dict(iteration=3, node=3)]),
+    ("oobleck", [dict(iteration=2, node=1), dict(iteration=4, node=4)]),  # a merge, then a borrow
 ])
 def test_dist_agrees_with_sim(tmp_path, strategy, events):
     """The conformance check (tests/test_conformance.py) with dist in it: on the modelled clock

@@ -159,6 +159,25 @@ def test_seeded_random_failures_train_the_fault_free_model(tmp_path, seed):
     assert summary["failures"] == 2
 
 
+@pytest.mark.dist
+def test_dist_processes_reinstantiate_after_real_kills(tmp_path):
+    """backend=dist: the failed nodes' processes are SIGKILLed; the survivors merge two short
+    pipelines, later borrow a node, copy the layers each lacks from live holders over
+    torch.distributed, and train exactly what fault-free training trains (the run's own check)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from test_dist_failures import run_dist
+
+    setup = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=3", "train.iterations=6", "train.microbatches=2",
+             "report.gantt=false", "report.progress=false", "backend.timeout_s=30", *SETUP[:2])
+    summary, lines = run_dist(tmp_path, "failures.events=[{iteration:2,node:1},{iteration:4,node:4}]", setup=setup)
+    assert summary["matches_fault_free"] is True
+    assert _rules(summary) == ["merge", "borrow"]
+    assert [m["dead_ranks"] for m in summary["measured_recoveries"]] == [[1], [4]]
+    assert [r["event"] for r in lines].count("iteration") == 6
+
+
 def test_fewer_nodes_than_f_plus_one_pipelines_is_unrecoverable(tmp_path):
     summary = run(tmp_path, *LOCAL, "strategy=oobleck", "hardware.memory_gb=0.006", "cluster.pp=2", "cluster.dp=2",
                   "failures.events=[{iteration:2,node:3}]")

@@ -35,7 +35,7 @@ from ftbench.engine.worker import StageReplica, Worker
 from ftbench.layers import GradientSync, fragment_layout, model_layers, stage_units
 from ftbench.models.data import batch
 from ftbench.models.gpt import build_stage
-from ftbench.engine.local import fragment_writers, load_shards, to_device
+from ftbench.engine.local import fragment_writers, holding, load_shards, replica_units, to_device
 from ftbench.recovery_costs import SaveCost
 from ftbench.schedule import F, OPT, Op, dependency_graph, topological_order
 
@@ -240,27 +240,49 @@ class DistEngine:
         return iteration
 
     def copy_replicas(self, copies, plan) -> None:
-        """Named state copies (ftbench.actions.Transfer) between processes, then `plan`: each
-        source sends its replica's weights and AdamW state as held now, each destination loads
-        them into the replica it holds in `plan`."""
+        """Named state copies (ftbench.actions.Transfer) between processes, then `plan` (as
+        LocalEngine.copy_replicas): each source sends the copy's layers as held now; a replica
+        this rank newly holds is assembled from the pieces it receives and what it held of
+        those layers before."""
         t = self.transport
         n = model_layers(plan.partition)
         outgoing = []
         for c in copies:  # read every source before adopting: a source may change place in `plan`
             if t.rank_of(c.src) != self.rank:
                 continue
-            if self.worker is None or c.layers not in self.worker.replicas:
+            units = stage_units(c.layers, c.embedding, c.head, n)
+            replica = holding(self.worker, units, n)
+            if replica is None:
                 raise DistError(f"copy {c}: worker {c.src} (rank {self.rank}) holds no replica of those layers")
-            outgoing.append((c, stage_units(c.layers, c.embedding, c.head, n), self.worker.replicas[c.layers].shard()))
+            outgoing.append((c, units, replica.shard(None if replica_units(replica, n) == units else units, n)))
+        old = self.worker if self.worker is not None and self.worker.alive else None
+        before = set(old.replicas) if old is not None else set()
+        wanted = {plan.layers(d, s) for d, s in plan.holds.get(old.id, ())} if old is not None else set()
+        kept = [r.shard() for layers, r in old.replicas.items() if layers not in wanted] if old is not None else []
         self.adopt(plan)
+        same = old is not None and self.worker is old
+        created = set(self.worker.replicas) - (before if same else set()) if self.worker is not None else set()
+        pieces = {layers: list(kept if same else ()) for layers in created}
         t.state_groups([(c.src, c.dst) for c in copies])
         for c, units, shard in outgoing:
             t.send_state(units, shard, c.src, c.dst)
         for c in copies:
             if t.rank_of(c.dst) == self.rank:
-                received = t.receive_state(stage_units(c.layers, c.embedding, c.head, n), c.src, c.dst)
-                self.worker.replica(c.layers).load(received["model"], received["optim"])
+                units = stage_units(c.layers, c.embedding, c.head, n)
+                received = t.receive_state(units, c.src, c.dst)
+                target = holding(self.worker, units, n)
+                if target is None:
+                    raise DistError(f"copy {c}: worker {c.dst} (rank {self.rank}) holds no replica for those layers")
+                if target.layers not in pieces:  # a replica kept from before: refreshed in place
+                    pieces[target.layers] = [target.shard()]
+                pieces[target.layers].append(received)
         t.flush_state_sends()
+        for layers, parts in pieces.items():
+            try:
+                load_shards([self.worker.replica(layers)], parts, self.device)
+            except ResultError as err:
+                raise DistError(f"worker {self.worker.id} takes layers {layers} but no copy gives them their state "
+                                f"({err})") from None
 
     # -- checkpoints and results ------------------------------------------------------------
     def my_shards(self, plan) -> dict:

@@ -218,7 +218,7 @@ class LocalEngine:
         outgoing = []
         for c in copies:  # read every source before adopting: a source may change place in `plan`
             units = stage_units(c.layers, c.embedding, c.head, n)
-            replica = _holding(self.workers.get(c.src), units, n)
+            replica = holding(self.workers.get(c.src), units, n)
             if replica is None:
                 raise RuntimeError(f"copy {c}: worker {c.src} holds no live replica of those layers")
             outgoing.append((c, units, replica.shard(None if replica_units(replica, n) == units else units, n)))
@@ -232,7 +232,7 @@ class LocalEngine:
         pieces = {key: list(kept.get(key[0], ())) for key in created}
         for c, units, _ in outgoing:
             received = transport.receive_state(units, c.src, c.dst)
-            replica = _holding(self.workers[c.dst], units, n)
+            replica = holding(self.workers[c.dst], units, n)
             key = (c.dst, replica.layers)
             if key not in pieces:
                 pieces[key] = [replica.shard()]
@@ -282,7 +282,7 @@ def replica_units(replica, n_layers: int) -> tuple[int, int]:
     return min(units), max(units) + 1
 
 
-def _holding(worker, units, n_layers: int):
+def holding(worker, units, n_layers: int):
     """The live replica of `worker` holding all of `units`, or None."""
     if worker is None or not worker.alive:
         return None
