@@ -22,8 +22,9 @@ layers cap the pipeline length below n_max, `uncovered` names the counts no set 
 **Instantiation.** Among the sets of pipeline sizes that use every live node with at least
 f+1 pipelines, the one whose batch split gives the shortest iteration wins. Oobleck
 enumerates the sets; so do we when there are few, rank them by the split's continuous
-optimum and split the best few exactly. When there are many (hundreds of nodes), the set of
-highest steady-state rate (sum of 1/slowest-stage) is found by a knapsack over node counts.
+optimum and split the best few exactly. When there are many (hundreds of nodes), the candidates are the sets of one size or two
+adjacent sizes, and the set of highest steady-state rate (sum of 1/slowest-stage, from a
+knapsack over node counts).
 
 **Batch split.** The global batch's micro-batches are split among the pipelines to minimise
 the slowest one; pipeline p with B micro-batches takes about a_p + b_p*B (1F1B: its fill and
@@ -270,9 +271,30 @@ def _candidate_sets(templates: Templates, sizes: tuple[int, ...], live: int, lea
     sets = _sets(sizes, live, least, min(microbatches, live), ENUMERATE_MAX_SETS)
     if sets is not None:
         return sets
-    rate = {n: 1.0 / templates.get(n).per_microbatch_s for n in sizes}
-    found = _best_rate_set(sizes, live, least, rate)
-    return [found] if found is not None else []
+    most = min(microbatches, live)  # at most one pipeline per micro-batch
+    out = _near_uniform_sets(sizes, live, least, most)
+    big = tuple(n for n in sizes if n * microbatches >= live)  # pipelines of live/micro-batches nodes or more
+    rate = {n: 1.0 / templates.get(n).per_microbatch_s for n in big}
+    found = _best_rate_set(big, live, least, rate) if big else None
+    return out + ([found] if found is not None and found not in out else [])
+
+
+def _near_uniform_sets(sizes, total: int, least: int, most: int) -> list[tuple[int, ...]]:
+    """Sets of one size, or two adjacent sizes, summing to `total`: for each size n, the
+    remainder of total/n spread one node each over some pipelines (n and n+1), or the
+    shortfall of ceil(total/n) pipelines taken one node each from some (n and n-1)."""
+    have, out = set(sizes), []
+    for n in sizes:
+        k, r = divmod(total, n)
+        if r == 0:
+            out.append((n,) * k)
+        elif r <= k and n + 1 in have:
+            out.append((n + 1,) * r + (n,) * (k - r))
+        up = -(-total // n)
+        short = up * n - total
+        if 0 < short <= up and n - 1 in have:
+            out.append((n,) * (up - short) + (n - 1,) * short)
+    return [c for c in dict.fromkeys(out) if least <= len(c) <= most]
 
 
 def _sets(sizes, total: int, least: int, most: int, limit: int):
