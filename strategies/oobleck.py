@@ -68,7 +68,12 @@ class Oobleck:
         # Only the layer count can cap templates below n_max; then some counts may lack a set.
         self.coverage_gaps = uncovered(self.sizes, self.f, (self.f + 1) * n0, nodes)
         live = sorted(n for n in cluster.alive if n < nodes)
-        found = instantiate(t, self.sizes, len(live), self.f, self.microbatches)
+        found = None
+        for used in range(len(live), (self.f + 1) * n0 - 1, -1):  # every node if the sizes allow, else most
+            found = instantiate(t, self.sizes, used, self.f, self.microbatches)
+            if found is not None:
+                self.idle = live[used:]
+                break
         if found is None:
             raise ConfigError("train.microbatches", f"no set of at least {self.f + 1} pipelines over {len(live)} nodes "
                               f"gets a micro-batch each from {self.microbatches}",
@@ -112,35 +117,39 @@ class Oobleck:
             return Recovery(unrecoverable=f"{live} nodes are left, fewer than (f+1)*n0 = {least}: oobleck keeps at "
                             f"least f+1 = {self.f + 1} pipelines of n0 = {self.n0} nodes")
         try:
-            pipelines, rule = reconfigure(self.pipelines, {node}, self.n0, self.templates.longest)
-            if self.idle:  # nodes waiting for a pipeline take part now
-                pipelines, self.idle = grow(pipelines, self.idle, self.n0, self.templates.longest)
+            pipelines, rule, shed = reconfigure(self.pipelines, {node}, self.n0, self._valid)
         except Unrecoverable as why:
             return Recovery(unrecoverable=str(why))
-        return self._switch(pipelines, cluster, rule)
+        idle = self.idle + shed
+        if idle:  # nodes waiting for a pipeline take part now
+            pipelines, idle = grow(pipelines, idle, self.n0, self._valid)
+        return self._switch(pipelines, cluster, rule, idle)
+
+    def _valid(self, nodes: int) -> bool:
+        return self.templates.get(nodes) is not None
 
     def _join(self, node: int, cluster) -> Recovery:
         if node >= cluster.nodes or any(node in p for p in self.pipelines) or node in self.idle:
             return Recovery()
-        pipelines, idle = grow(self.pipelines, self.idle + [node], self.n0, self.templates.longest)
-        self.idle = idle
+        pipelines, idle = grow(self.pipelines, self.idle + [node], self.n0, self._valid)
         if pipelines == self.pipelines:
+            self.idle = idle
             return Recovery()
-        return self._switch(pipelines, cluster, "join")
+        return self._switch(pipelines, cluster, "join", idle)
 
-    def _switch(self, pipelines: list[list[int]], cluster, rule: str) -> Recovery:
-        """Continue on `pipelines`; `rule` (template, borrow, merge, join) names the plan."""
-        old, before = self.current, self.pipelines
-        self.pipelines = pipelines
+    def _switch(self, pipelines: list[list[int]], cluster, rule: str, idle: list[int]) -> Recovery:
+        """Continue on `pipelines` (`idle` waiting); `rule` (template, borrow, merge, join) names the plan."""
+        old, before, idle_before = self.current, self.pipelines, self.idle
+        self.pipelines, self.idle = pipelines, idle
         try:
             new = self._build(cluster, rule)
         except Unrecoverable as why:
-            self.pipelines = before
+            self.pipelines, self.idle = before, idle_before
             return Recovery(unrecoverable=str(why))
         alive = cluster.alive
         copies, orphaned = layer_copies(old, new, lambda w: cluster.node_of(w) in alive, self.ctx.cost_model)
         if orphaned:
-            self.pipelines = before
+            self.pipelines, self.idle = before, idle_before
             return Recovery(unrecoverable=f"no surviving worker holds unit {orphaned[0][0]} of the model "
                             "(units: 0 the embeddings, 1..L the blocks, L+1 the head)")
         self.current = new

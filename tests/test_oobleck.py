@@ -113,22 +113,30 @@ def test_the_batch_split_is_optimal():
 # -- re-instantiation rules ---------------------------------------------------------------------
 def test_a_short_pipeline_borrows_from_the_largest():
     pipelines = [[0, 1], [2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12, 13]]
-    after, rule = reconfigure(pipelines, {1, 3, 4}, n0=2, longest=8)
-    assert rule == "borrow"
+    after, rule, idle = reconfigure(pipelines, {1, 3, 4}, n0=2, valid=lambda n: 2 <= n <= 8)
+    assert rule == "borrow" and idle == []
     assert sorted(map(sorted, after)) == [[0, 13], [2, 12], [5, 6, 7, 8], [9, 10, 11]]
 
 
 def test_short_pipelines_merge_and_the_last_absorbs_a_whole_one():
-    after, rule = reconfigure([[0, 1], [4, 5], [8, 9], [12, 13]], {1, 5, 9}, n0=2, longest=8)
+    after, rule, _ = reconfigure([[0, 1], [4, 5], [8, 9], [12, 13]], {1, 5, 9}, n0=2, valid=lambda n: 2 <= n <= 8)
     assert rule == "merge"
     assert sorted(map(sorted, after)) == [[0, 4], [8, 12, 13]]
 
 
-def test_reinstantiation_without_a_fitting_template_is_unrecoverable():
+def test_too_few_nodes_for_a_pipeline_is_unrecoverable():
     with pytest.raises(Unrecoverable, match="fewer than one pipeline"):
-        reconfigure([[0, 1, 2]], {0, 1}, n0=2, longest=8)
-    with pytest.raises(Unrecoverable, match="more than the 2"):
-        reconfigure([[0, 1], [2, 3]], {3}, n0=2, longest=2)  # [2] must absorb [0, 1]: 3 nodes
+        reconfigure([[0, 1, 2]], {0, 1}, n0=2, valid=lambda n: n >= 2)
+    # A merge may give a size with no template: it sheds back to n0 (which has one).
+    after, rule, idle = reconfigure([[0, 1], [2, 3]], {3}, n0=2, valid=lambda n: n == 2)
+    assert (after, rule, idle) == ([[2, 0]], "merge", [1])
+
+
+def test_a_size_memory_rules_out_sheds_nodes_to_one_that_fits():
+    """Sizes 2 and 4 have templates, 3 not (a longer pipeline stashes more micro-batches on
+    its first stage): a 4-node pipeline losing one keeps 2 nodes and the third waits idle."""
+    after, rule, idle = reconfigure([[0, 1, 2, 3], [4, 5, 6, 7]], {0}, n0=2, valid=lambda n: n in (2, 4))
+    assert (after, rule, idle) == ([[1, 2], [4, 5, 6, 7]], "template", [3])
 
 
 # -- training ---------------------------------------------------------------------------------------

@@ -113,9 +113,10 @@ def _stage_s(cost_model, layers, first: bool, last: bool) -> float:
 
 def stage_bytes(cost_model, layers, index: int, stages: int) -> float:
     """Peak memory of stage `index` of `stages` under 1F1B: its weights, gradients and Adam
-    state, and the activations of the stages - index micro-batches in flight."""
+    state, the activations of the stages - index micro-batches in flight, and (with
+    recompute) the activations one backward rebuilds."""
     c = cost_model.stage(layers, index == 0, index == stages - 1)
-    return ADAM_STATE_BYTES_PER_PARAM * c.params + (stages - index) * (c.activation_bytes + c.recompute_bytes)
+    return ADAM_STATE_BYTES_PER_PARAM * c.params + (stages - index) * c.activation_bytes + c.recompute_bytes
 
 
 def _cut(cost_model, stages: int, memory: float):
@@ -359,24 +360,33 @@ class Unrecoverable(Exception):
     pass
 
 
-def reconfigure(pipelines: list[list[int]], lost: set[int], n0: int, longest: int) -> tuple[list[list[int]], str]:
+def reconfigure(pipelines: list[list[int]], lost: set[int], n0: int, valid) -> tuple[list[list[int]], str, list[int]]:
     """Oobleck's rules after nodes in `lost` fail, on pipelines given as node lists (in stage
-    order). In order: drop the lost nodes (a pipeline left with n0 or more takes the template
-    of its new size); a pipeline left short **borrows** nodes, one at a time from the end of
-    the largest pipeline that has more than n0 (the last such on ties), until it has n0 or no
-    pipeline can lend; pipelines still short are **merged**, each absorbing the next short one
-    until it has n0, the last one absorbing a whole healthy pipeline (the first) if it must.
-    Raises Unrecoverable when the nodes cannot form one pipeline of n0, or a merge would need
-    a pipeline longer than `longest` nodes. Returns (pipelines, the last rule used: "template",
-    "borrow" or "merge")."""
+    order); `valid(n)`: a template of n nodes exists. In order: drop the lost nodes (a pipeline
+    left with n0 or more takes the template of its new size); a pipeline left short **borrows**
+    nodes, one at a time from the end of the largest pipeline that has more than n0 (the last
+    such on ties), until it has n0 or no pipeline can lend; pipelines still short are
+    **merged**, each absorbing the next short one until it has n0; a last one still short
+    absorbs a whole healthy pipeline (the first).
+
+    Where memory rules out some sizes (a longer pipeline stashes more micro-batches on its
+    first stages), a pipeline of a size with no template sheds nodes from its end to the next
+    size that has one; shed nodes first fill short pipelines, then wait as idle nodes.
+    Returns (pipelines, the last rule used: "template", "borrow" or "merge", idle nodes);
+    raises Unrecoverable when the nodes cannot form one pipeline of n0."""
     kept = [[n for n in p if n not in lost] for p in pipelines]
     kept = [p for p in kept if p]
     if sum(map(len, kept)) < n0:
         raise Unrecoverable(f"{sum(map(len, kept))} nodes are left, fewer than one pipeline's n0 = {n0}")
+    spare: list[int] = []
+    for p in kept:
+        _shed(p, n0, valid, spare)
     rule = "template"
     for short in [p for p in kept if len(p) < n0]:
+        while len(short) < n0 and spare:
+            short.append(spare.pop(0))
         while len(short) < n0:
-            donors = [p for p in kept if len(p) > n0]
+            donors = [p for p in kept if len(p) > n0 and valid(len(p) - 1)]
             if not donors:
                 break
             donor = max(reversed(donors), key=len)  # the largest; the last of equals
@@ -384,11 +394,15 @@ def reconfigure(pipelines: list[list[int]], lost: set[int], n0: int, longest: in
             rule = "borrow"
     if any(len(p) < n0 for p in kept):
         kept, rule = _merge(kept, n0), "merge"
-    for p in kept:
-        if len(p) > longest:
-            raise Unrecoverable(f"merging pipelines gives {len(p)} nodes, more than the {longest} one pipeline "
-                                "can take (a GPU per stage, a layer per stage)")
-    return kept, rule
+        for p in kept:
+            _shed(p, n0, valid, spare)  # n0 has a template: shedding always ends on one
+    return kept, rule, spare
+
+
+def _shed(pipeline: list[int], n0: int, valid, spare: list[int]) -> None:
+    """Move nodes from the end of `pipeline` to `spare` until its size has a template (not below n0)."""
+    while len(pipeline) > n0 and not valid(len(pipeline)):
+        spare.append(pipeline.pop())
 
 
 def _merge(pipelines: list[list[int]], n0: int) -> list[list[int]]:
@@ -409,16 +423,16 @@ def _merge(pipelines: list[list[int]], n0: int) -> list[list[int]]:
     return healthy + merged
 
 
-def grow(pipelines: list[list[int]], idle: list[int], n0: int, longest: int) -> tuple[list[list[int]], list[int]]:
-    """Joined nodes: n0 of them together start a new pipeline; fewer each go to the shortest
-    pipeline that can take one more (its template of one more node). (pipelines, still idle)."""
+def grow(pipelines: list[list[int]], idle: list[int], n0: int, valid) -> tuple[list[list[int]], list[int]]:
+    """Idle (joined or shed) nodes: n0 of them together start a new pipeline; fewer each go to
+    the shortest pipeline whose size one larger has a template. (pipelines, still idle)."""
     pipelines = [list(p) for p in pipelines]
     idle = list(idle)
     while len(idle) >= n0:
         pipelines.append(idle[:n0])
         idle = idle[n0:]
     while idle:
-        room = [p for p in pipelines if len(p) < longest]
+        room = [p for p in pipelines if valid(len(p) + 1)]
         if not room:
             break
         min(room, key=len).append(idle.pop(0))
