@@ -36,7 +36,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STRATEGIES = ("none", "checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle")
+STRATEGIES = ("none", "checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck")
 WITH_EVERY = ("checkpoint", "checkfreq", "elastic-horovod", "varuna")
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 OUTCOMES = ("equal", "ok", "unrecoverable", "different", "crashed", "oom")
@@ -124,6 +124,10 @@ def random_case(seed: int, strategy: str, backend: str = "local") -> Case:
         strategy_overrides += [f"strategy.fallback={fallback}", "strategy.plan_cache=null"]
         if fallback == "checkpoint":
             strategy_overrides.append(f"strategy.every={srng.randint(1, 4)}")
+    elif strategy == "oobleck":
+        # f failures at once; 6 MB GPUs make gpt-tiny need 2 nodes a pipeline (cuts that differ)
+        strategy_overrides += [f"strategy.f={srng.choice((0, 1)) if nodes >= 2 else 0}",
+                               f"hardware.memory_gb={srng.choice((24, 0.006))}"]
     return Case(seed, strategy, backend, tuple(setup), tuple(strategy_overrides), tuple(events), tuple(notes))
 
 

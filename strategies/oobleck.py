@@ -122,7 +122,7 @@ class Oobleck:
             return Recovery(unrecoverable=str(why))
         idle = self.idle + shed
         if idle:  # nodes waiting for a pipeline take part now
-            pipelines, idle = grow(pipelines, idle, self.n0, self._valid)
+            pipelines, idle = grow(pipelines, idle, self.n0, self._valid, self.microbatches)
         return self._switch(pipelines, cluster, rule, idle)
 
     def _valid(self, nodes: int) -> bool:
@@ -131,7 +131,7 @@ class Oobleck:
     def _join(self, node: int, cluster) -> Recovery:
         if node >= cluster.nodes or any(node in p for p in self.pipelines) or node in self.idle:
             return Recovery()
-        pipelines, idle = grow(self.pipelines, self.idle + [node], self.n0, self._valid)
+        pipelines, idle = grow(self.pipelines, self.idle + [node], self.n0, self._valid, self.microbatches)
         if pipelines == self.pipelines:
             self.idle = idle
             return Recovery()

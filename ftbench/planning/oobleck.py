@@ -423,12 +423,14 @@ def _merge(pipelines: list[list[int]], n0: int) -> list[list[int]]:
     return healthy + merged
 
 
-def grow(pipelines: list[list[int]], idle: list[int], n0: int, valid) -> tuple[list[list[int]], list[int]]:
-    """Idle (joined or shed) nodes: n0 of them together start a new pipeline; fewer each go to
-    the shortest pipeline whose size one larger has a template. (pipelines, still idle)."""
+def grow(pipelines: list[list[int]], idle: list[int], n0: int, valid,
+         most: int | None = None) -> tuple[list[list[int]], list[int]]:
+    """Idle (joined or shed) nodes: n0 of them together start a new pipeline (while there are
+    fewer than `most`: one micro-batch each at least); fewer each go to the shortest pipeline
+    whose size one larger has a template. (pipelines, still idle)."""
     pipelines = [list(p) for p in pipelines]
     idle = list(idle)
-    while len(idle) >= n0:
+    while len(idle) >= n0 and (most is None or len(pipelines) < most):
         pipelines.append(idle[:n0])
         idle = idle[n0:]
     while idle:
