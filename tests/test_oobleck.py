@@ -168,9 +168,13 @@ def test_seeded_random_failures_train_the_fault_free_model(tmp_path, seed):
 
 
 @pytest.mark.dist
-def test_dist_processes_reinstantiate_after_real_kills(tmp_path):
-    """backend=dist: the failed nodes' processes are SIGKILLed; the survivors merge two short
-    pipelines, later borrow a node, copy the layers each lacks from live holders over
+@pytest.mark.parametrize("events,rules,dead", [
+    ("[{iteration:2,node:1},{iteration:4,node:4}]", ["merge", "borrow"], [[1], [4]]),
+    ("[{iteration:3,node:0}]", ["merge"], [[0]]),  # the leader's node: rank 1 carries on
+], ids=["merge-then-borrow", "leader"])
+def test_dist_processes_reinstantiate_after_real_kills(tmp_path, events, rules, dead):
+    """backend=dist: the failed nodes' processes are SIGKILLed; the survivors re-instantiate
+    (merge short pipelines, borrow a node), copy the layers each lacks from live holders over
     torch.distributed, and train exactly what fault-free training trains (the run's own check)."""
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
@@ -179,10 +183,10 @@ def test_dist_processes_reinstantiate_after_real_kills(tmp_path):
 
     setup = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=3", "train.iterations=6", "train.microbatches=2",
              "report.gantt=false", "report.progress=false", "backend.timeout_s=30", *SETUP[:2])
-    summary, lines = run_dist(tmp_path, "failures.events=[{iteration:2,node:1},{iteration:4,node:4}]", setup=setup)
+    summary, lines = run_dist(tmp_path, f"failures.events={events}", setup=setup)
     assert summary["matches_fault_free"] is True
-    assert _rules(summary) == ["merge", "borrow"]
-    assert [m["dead_ranks"] for m in summary["measured_recoveries"]] == [[1], [4]]
+    assert _rules(summary) == rules
+    assert [m["dead_ranks"] for m in summary["measured_recoveries"]] == dead
     assert [r["event"] for r in lines].count("iteration") == 6
 
 
