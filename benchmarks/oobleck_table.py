@@ -44,6 +44,7 @@ NODES, GPUS = 30, 4
 
 
 RECOMPUTE: dict[str, str] = {}  # model -> train.recompute, chosen by needs_recompute
+STAGE_PER = ["gpu"]  # strategy.stage_per (--stage-per)
 
 
 def needs_recompute(model: str, hardware: str) -> str:
@@ -56,14 +57,15 @@ def needs_recompute(model: str, hardware: str) -> str:
     ctx = RunContext.from_config(compose(["backend=sim", f"model={model}", f"hardware={hardware}",
                                           f"train.microbatch_size={micro}", "cluster.pp=4", "cluster.dp=1",
                                           f"train.global_batch={batch}"]))
-    t = Templates(ctx.cost_model, GPUS)
+    t = Templates(ctx.cost_model, GPUS, STAGE_PER[0])
     n0 = t.n0()
     return "none" if n0 is not None and 2 * n0 <= NODES // 2 else "full"
 
 
 def setup(model: str, hardware: str, efficiency: float, nodes: int = NODES) -> list[str]:
     batch, micro = BATCH[model]
-    return ["backend=sim", "strategy=oobleck", f"model={model}", f"hardware={hardware}",
+    return ["backend=sim", "strategy=oobleck", f"strategy.stage_per={STAGE_PER[0]}", f"model={model}",
+            f"hardware={hardware}",
             f"hardware.efficiency={efficiency!r}", f"cluster.gpus_per_node={GPUS}", f"cluster.nodes={nodes}",
             f"cluster.pp={GPUS}", "cluster.dp=1", "cluster.spares=0", f"train.global_batch={batch}",
             f"train.microbatch_size={micro}", f"train.recompute={RECOMPUTE[model]}", "report.gantt=false", "report.progress=false", "wandb.mode=disabled"]
@@ -108,8 +110,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(PUBLISHED))
     parser.add_argument("--hardware", default="a100-40gb")
     parser.add_argument("--by-nodes", action="store_true", help="also throughput by live-node count, 30 down to 15")
+    parser.add_argument("--stage-per", choices=("gpu", "node"), default="gpu",
+                        help="strategy.stage_per: a node's GPUs hold consecutive stages, or share the node's one stage")
     args = parser.parse_args()
-    print(f"Oobleck on the simulator, {NODES} nodes x {GPUS} GPUs ({args.hardware}); published = Oobleck's Table 2")
+    STAGE_PER[0] = args.stage_per
+    print(f"Oobleck on the simulator, {NODES} nodes x {GPUS} GPUs ({args.hardware}), stage per {args.stage_per}; "
+          "published = Oobleck's Table 2")
     print(f"{'model':<12} {'efficiency':>10} {'fault-free':>10} " + " ".join(
         f"{t + ' ours':>9} {t + ' paper':>9} {'ratio':>6}" for t in TRACES) + f" {'recompute':>9} {'wall (s)':>8}")
     for model in args.models:

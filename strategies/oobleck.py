@@ -21,8 +21,8 @@ from ftbench.actions import Rendezvous, SyncFromPeers
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan, pipelines_plan
-from ftbench.planning.oobleck import (Templates, Unrecoverable, grow, instantiate, reconfigure, split_batch,
-                                      template_range, uncovered)
+from ftbench.planning.oobleck import (STAGE_PER, Templates, Unrecoverable, grow, instantiate, reconfigure,
+                                      split_batch, template_range, uncovered)
 from ftbench.strategies.base import Recovery
 from ftbench.transfers import layer_copies
 
@@ -39,6 +39,10 @@ class Oobleck:
         if self.f < 0:
             raise ConfigError("strategy.f", f"must be 0 or more failures, got {self.f}",
                               "set strategy.f=1 (survive one failure at a time)")
+        self.stage_per = cfg.get("stage_per", "gpu")
+        if self.stage_per not in STAGE_PER:
+            raise ConfigError("strategy.stage_per", f"unknown choice '{self.stage_per}'",
+                              f"choose one of {', '.join(STAGE_PER)}")
         self.split = cfg.get("batch_split", "auto")
         if self.split not in SPLITS:
             raise ConfigError("strategy.batch_split", f"unknown split '{self.split}'", f"choose one of {', '.join(SPLITS)}")
@@ -50,7 +54,7 @@ class Oobleck:
 
     # -- plan ---------------------------------------------------------------------------
     def plan(self, cluster) -> Plan:
-        self.templates = Templates(self.ctx.cost_model, cluster.gpus_per_node)
+        self.templates = Templates(self.ctx.cost_model, cluster.gpus_per_node, self.stage_per)
         t = self.templates
         n0 = t.n0()
         if n0 is None:
@@ -89,14 +93,20 @@ class Oobleck:
     def _build(self, cluster, rule: str = "") -> Plan:
         """The plan of the current pipelines: each on its template, the batch split among them."""
         t = self.templates
-        templates = [t.get(len(p)) for p in self.pipelines]
-        counts = split_batch(templates, self.microbatches, self.split)
+        lanes = t.lanes_of([len(p) for p in self.pipelines])
+        counts = split_batch(lanes, self.microbatches, self.split)
         if counts is None:
-            raise Unrecoverable(f"{len(self.pipelines)} pipelines but only {self.microbatches} micro-batches")
-        specs = []
-        for nodes, template, m in zip(self.pipelines, templates, counts):
-            workers = [w for node in nodes for w in cluster.workers_on(node)]
-            specs.append((workers, template.partition, m))
+            raise Unrecoverable(f"{len(lanes)} pipelines (lanes) but only {self.microbatches} micro-batches")
+        specs, at = [], 0
+        for nodes in self.pipelines:
+            gpus = [cluster.workers_on(node) for node in nodes]
+            if t.lanes == 1:  # each GPU a stage
+                specs.append(([w for on_node in gpus for w in on_node], lanes[at].partition, counts[at]))
+                at += 1
+                continue
+            for lane in range(t.lanes):  # GPU `lane` of every node, one stage each
+                specs.append(([on_node[lane] for on_node in gpus], lanes[at].partition, counts[at]))
+                at += 1
         shape = "+".join(str(len(p)) for p in self.pipelines)
         name = f"oobleck[{shape}]" + (f" after {rule}" if rule else "")
         return pipelines_plan(self.ctx.schedule_name, specs, cluster.node_of, name=name)

@@ -157,6 +157,18 @@ def test_heterogeneous_pipelines_train_the_fault_free_model(tmp_path, events, ru
     assert any(c["layers"] for c in first["copies"])  # layers moved between pipelines cut differently
 
 
+def test_one_stage_per_node_shared_by_its_gpus_trains_the_fault_free_model(tmp_path):
+    """strategy.stage_per=node: a node holds one stage and its 2 GPUs run it as lanes, each on
+    its own micro-batches; a merge and a borrow later, still fault-free training."""
+    setup = ("hardware.memory_gb=0.006", "cluster.pp=2", "cluster.dp=6", "cluster.gpus_per_node=2",
+             "train.microbatches=2")
+    summary = assert_matches_fault_free(tmp_path, setup=setup, faults=(
+        "strategy=oobleck", "strategy.stage_per=node", "failures.events=[{iteration:2,node:1},{iteration:4,node:4}]"))
+    assert _rules(summary) == ["merge", "borrow"]
+    # 2 + 3 nodes after the merge: two lanes of 2 stages and two lanes of 3.
+    assert summary["recoveries"][0]["shape"] == "pp=2/2/3/3 dp=4"
+
+
 @pytest.mark.parametrize("seed", [3, 11])
 def test_seeded_random_failures_train_the_fault_free_model(tmp_path, seed):
     rng = random.Random(f"oobleck-{seed}")
@@ -200,6 +212,7 @@ def test_fewer_nodes_than_f_plus_one_pipelines_is_unrecoverable(tmp_path):
     ("strategy.f=-1", "must be 0 or more"),
     ("strategy.f=5", "cannot form f+1 = 6 pipelines"),
     ("strategy.batch_split=exact", "unknown split 'exact'"),
+    ("strategy.stage_per=rack", "unknown choice 'rack'"),
 ])
 def test_bad_settings_name_the_setting(tmp_path, override, message):
     summary = run(tmp_path, "backend=sim", "model=gpt-tiny", "strategy=oobleck", "cluster.pp=1", "cluster.dp=4", override)

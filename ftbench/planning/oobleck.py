@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from ftbench.costs import ADAM_STATE_BYTES_PER_PARAM
 
+STAGE_PER = ("gpu", "node")  # strategy.stage_per
 MILP_MAX_PIPELINES = 24  # larger batch splits use the greedy fill (equal optimum, no solver)
 MILP_TIME_LIMIT_S = 10.0
 ENUMERATE_MAX_SETS = 4000
@@ -71,8 +72,14 @@ class Template:
 class Templates:
     """Templates of one model on one kind of node, made on demand and kept."""
 
-    def __init__(self, cost_model, gpus_per_node: int):
+    def __init__(self, cost_model, gpus_per_node: int, stage_per: str = "gpu"):
+        if stage_per not in STAGE_PER:
+            raise ValueError(f"stage_per must be one of {STAGE_PER}, got {stage_per!r}")
         self.cost, self.g = cost_model, gpus_per_node
+        # A node's GPUs: each a stage of the pipeline (gpu), or each a *lane* running the
+        # node's one stage on its own share of the pipeline's micro-batches (node).
+        self.stages_per_node = gpus_per_node if stage_per == "gpu" else 1
+        self.lanes = 1 if stage_per == "gpu" else gpus_per_node
         self.layers = cost_model.spec.layers
         self.memory = cost_model.memory_bytes
         self._made: dict[int, Template | None] = {}
@@ -85,8 +92,8 @@ class Templates:
 
     @property
     def longest(self) -> int:
-        """The most nodes one pipeline can take: one stage per GPU needs a layer per stage."""
-        return self.layers // self.g
+        """The most nodes one pipeline can take: a stage needs a layer."""
+        return self.layers // self.stages_per_node
 
     def n0(self) -> int | None:
         """The fewest nodes whose GPUs hold the model with its optimizer state (None: no count does)."""
@@ -95,8 +102,12 @@ class Templates:
                 return n
         return None
 
+    def lanes_of(self, combo) -> list[Template]:
+        """The templates of pipelines of these sizes, once per lane (what a batch split splits over)."""
+        return [self.get(n) for n in combo for _ in range(self.lanes)]
+
     def _make(self, nodes: int) -> Template | None:
-        stages = nodes * self.g
+        stages = nodes * self.stages_per_node
         if not 1 <= stages <= self.layers:
             return None
         cut = _cut(self.cost, stages, self.memory)
@@ -241,7 +252,8 @@ def slowest(templates: list[Template], counts) -> float:
 # -- instantiation ----------------------------------------------------------------------------
 def instantiate(templates: Templates, sizes: list[int], live: int, f: int, microbatches: int):
     """The best set of pipeline sizes (largest first) using exactly `live` nodes with at least
-    f+1 pipelines, each a size of `sizes`, and its batch split: (sizes, counts) or None."""
+    f+1 pipelines, each a size of `sizes`, and its batch split: (sizes, micro-batches per
+    lane, templates.lanes per pipeline in order) or None."""
     sizes = sorted({n for n in sizes if templates.get(n) is not None})
     if not sizes:
         return None
@@ -250,7 +262,7 @@ def instantiate(templates: Templates, sizes: list[int], live: int, f: int, micro
     ranked = sorted(sets, key=lambda combo: (_relaxed(templates, combo, microbatches), -len(combo), combo))
     best = None
     for combo in ranked[:EXACT_SPLITS]:
-        ts = [templates.get(n) for n in combo]
+        ts = templates.lanes_of(combo)
         counts = split_greedy(ts, microbatches)
         value = (slowest(ts, counts), -len(combo), combo)
         if best is None or value < best[0]:
@@ -261,7 +273,7 @@ def instantiate(templates: Templates, sizes: list[int], live: int, f: int, micro
 def _relaxed(templates: Templates, combo: tuple[int, ...], microbatches: int) -> float:
     """The slowest pipeline's time if micro-batches could be split in fractions: Z with
     sum over pipelines of (Z - a_p) / b_p = micro-batches."""
-    ts = [templates.get(n) for n in combo]
+    ts = templates.lanes_of(combo)
     rate = sum(1.0 / t.per_microbatch_s for t in ts)
     return (microbatches + sum(t.fill_s / t.per_microbatch_s for t in ts)) / rate
 
@@ -269,12 +281,12 @@ def _relaxed(templates: Templates, combo: tuple[int, ...], microbatches: int) ->
 def _candidate_sets(templates: Templates, sizes: tuple[int, ...], live: int, least: int, microbatches: int):
     """Every multiset of sizes summing to `live` with at least `least` members (at most one per
     micro-batch), when there are few; else the one of highest steady-state rate."""
-    sets = _sets(sizes, live, least, min(microbatches, live), ENUMERATE_MAX_SETS)
+    most = min(microbatches // templates.lanes, live)  # a micro-batch per lane at least
+    sets = _sets(sizes, live, least, most, ENUMERATE_MAX_SETS)
     if sets is not None:
         return sets
-    most = min(microbatches, live)  # at most one pipeline per micro-batch
     out = _near_uniform_sets(sizes, live, least, most)
-    big = tuple(n for n in sizes if n * microbatches >= live)  # pipelines of live/micro-batches nodes or more
+    big = tuple(n for n in sizes if n * most >= live)  # at most `most` pipelines
     rate = {n: 1.0 / templates.get(n).per_microbatch_s for n in big}
     found = _best_rate_set(big, live, least, rate) if big else None
     return out + ([found] if found is not None and found not in out else [])
