@@ -124,9 +124,6 @@ def test_failures_dist_cannot_place_are_refused(tmp_path):
     assert summary["status"] == "error"
     assert "failures=poisson on backend=dist is not implemented yet" in summary["error"]
     assert "failures=scripted" in summary["error"]
-    summary = run(tmp_path / "join", "backend=dist", "model=gpt-tiny",
-                  "failures.events=[{iteration:1,node:1},{iteration:3,node:1,kind:join}]")
-    assert summary["status"] == "error" and "joins on backend=dist" in summary["error"]
 
 
 @pytest.mark.parametrize("override,message", [

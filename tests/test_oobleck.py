@@ -183,7 +183,9 @@ def test_seeded_random_failures_train_the_fault_free_model(tmp_path, seed):
 @pytest.mark.parametrize("events,rules,dead", [
     ("[{iteration:2,node:1},{iteration:4,node:4}]", ["merge", "borrow"], [[1], [4]]),
     ("[{iteration:3,node:0}]", ["merge"], [[0]]),  # the leader's node: rank 1 carries on
-], ids=["merge-then-borrow", "leader"])
+    # node 1 returns: its processes are a standby node's (ranks 6 or 7), started for the join
+    ("[{iteration:2,node:1},{iteration:4,node:1,kind:join}]", ["merge", "join"], [[1], None]),
+], ids=["merge-then-borrow", "leader", "join"])
 def test_dist_processes_reinstantiate_after_real_kills(tmp_path, events, rules, dead):
     """backend=dist: the failed nodes' processes are SIGKILLed; the survivors re-instantiate
     (merge short pipelines, borrow a node), copy the layers each lacks from live holders over
@@ -198,7 +200,7 @@ def test_dist_processes_reinstantiate_after_real_kills(tmp_path, events, rules, 
     summary, lines = run_dist(tmp_path, f"failures.events={events}", setup=setup)
     assert summary["matches_fault_free"] is True
     assert _rules(summary) == rules
-    assert [m["dead_ranks"] for m in summary["measured_recoveries"]] == dead
+    assert [m.get("dead_ranks") for m in summary["measured_recoveries"]] == dead  # a join kills nobody
     assert [r["event"] for r in lines].count("iteration") == 6
 
 

@@ -474,6 +474,7 @@ class DistBackend:
 
         engine, restored = self.engine, None
         phases: dict[str, float] = {}
+        self._place_returning(new)
         for action in actions:
             started = time.perf_counter()
             if isinstance(action, WaitForReplacement):
@@ -513,6 +514,15 @@ class DistBackend:
         self._pending = None
         return restored
 
+    def _place_returning(self, plan) -> None:
+        """Nodes of `plan` without live processes (a failed node that joins again, or a new
+        one) run on a standby node's processes, as a returning machine's would."""
+        t = self.engine.transport
+        alive = set(t.alive)
+        homeless = sorted({n for w, n in plan.node_of.items() if t.worker_rank.get(w, w) not in alive})
+        if homeless:
+            self._take_standbys(homeless, plan)
+
     def _take_standbys(self, nodes, plan) -> None:
         """Each replaced node's workers move to the processes of the next standby node."""
         t = self.engine.transport
@@ -521,7 +531,8 @@ class DistBackend:
                           if all(self.node_of_rank.get(n * self.g + i) == n for i in range(self.g))), None)
             if spare is None:
                 raise DistError(f"node {node} needs a replacement, but no standby process is left: on backend=dist "
-                                "a replacement is a standby node's processes (raise cluster.spares)")
+                                "a replacement or a returning node is a standby node's processes (raise "
+                                "cluster.spares)")
             self.standbys.remove(spare)
             workers = sorted(w for w, n in plan.node_of.items() if n == node)
             for i, w in enumerate(workers):

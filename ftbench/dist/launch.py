@@ -43,19 +43,16 @@ def deadline_s(cfg) -> float:
 
 def check_config(cfg, strategy, clock: str) -> None:
     """What backend=dist runs: decisions every rank takes alike (ftbench.dist.worker), so
-    failures scripted by iteration (or by time on the modelled clock), and no joins."""
+    failures scripted by iteration (or by time on the modelled clock); a join runs on a
+    standby node's processes (job_nodes starts one per join)."""
     if cfg.failures.kind not in ("none", "scripted"):
         raise ConfigError("failures", f"failures={cfg.failures.kind} on backend=dist is not implemented yet: every "
                           "rank must see each failure at the same iteration", "use failures=scripted (or none)")
     if cfg.failures.kind == "scripted":
-        joins = [e for e in cfg.failures.events or () if str(e.get("kind", "fail")) == "join"]
         timed = [e for e in cfg.failures.events or () if e.get("time_s") is not None]
         if timed and clock == "wall":
             raise ConfigError("failures.events", "a failure at time_s on backend=dist's wall clock would strike each "
                               "rank at its own point", "give the failure an iteration, or use backend.clock=model")
-        if joins:
-            raise ConfigError("failures.events", "joins on backend=dist are not implemented yet (a returning node "
-                              "needs new processes)", "leave out the join events, or use backend=local")
     t = cfg.backend.get("timeout_s")
     if t is None or not t > 0:
         raise ConfigError("backend.timeout_s", f"must be a positive number of seconds, got {t}",
@@ -107,6 +104,15 @@ def parse_kill(text) -> tuple[int, int, int] | None:
     return tuple(int(p) for p in parts)
 
 
+def job_nodes(cfg, cluster) -> int:
+    """Nodes whose processes the job starts: the cluster's, its standbys, and one more per
+    join the failure script names (a returning node's processes stand by until it joins)."""
+    joins = 0
+    if cfg.failures.kind == "scripted":
+        joins = sum(1 for e in cfg.failures.events or () if str(e.get("kind", "fail")) == "join")
+    return cluster.nodes + cluster.spares + joins
+
+
 def per_node(cfg) -> bool:
     """Whether the job runs one elastic agent per node, with heartbeats (a death ends only its
     own node's processes): when failures are scripted or a process is set to die (backend.kill)."""
@@ -132,10 +138,11 @@ def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str
     elif cfg.backend.get("launcher", "self") == "torchrun":
         # torchrun starts the processes on the nodes; this process hosts the job's store and
         # writes the run folder, so that no node's death ends the job.
-        result = coordinate(job, cluster, log, timeout_s(cfg), deadline_s(cfg), int(cfg.backend.store_port))
+        result = coordinate(job, job_nodes(cfg, cluster), cluster.gpus_per_node, log, timeout_s(cfg), deadline_s(cfg),
+                            int(cfg.backend.store_port))
     elif per_node(cfg):
         # One agent per node, standbys included, so a node's death ends only its own processes.
-        nodes = cluster.nodes + cluster.spares
+        nodes = job_nodes(cfg, cluster)
         result = launch_nodes(job, nodes, cluster.gpus_per_node, log, timeout_s(cfg), deadline_s(cfg))
     else:
         processes = len(strategy.plan(cluster.view()).workers)
@@ -260,7 +267,7 @@ def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float,
         del store
 
 
-def coordinate(job: dict, cluster, log, timeout: float, deadline: float, port: int) -> dict:
+def coordinate(job: dict, nodes: int, gpus_per_node: int, log, timeout: float, deadline: float, port: int) -> dict:
     """backend.launcher=torchrun: host the job's store on `port` (torchrun's rendezvous and the
     ranks' membership both meet there), forward the leader's metrics lines and wait for its
     results; the ranks are started elsewhere (`torchrun ... -m ftbench.dist --store HOST:PORT`).
@@ -274,10 +281,10 @@ def coordinate(job: dict, cluster, log, timeout: float, deadline: float, port: i
     folder = _fresh_folder(job)
     store = host_store(port, timeout)
     view = _job_view(store)
-    ranks = range((cluster.nodes + cluster.spares) * cluster.gpus_per_node)
+    ranks = range(nodes * gpus_per_node)
     host = socket.getfqdn()
     print(f"ftbench: hosting the job's store on {host}:{port}; start torchrun on every node with "
-          f"--nnodes={cluster.nodes + cluster.spares} --nproc-per-node={cluster.gpus_per_node} --rdzv-backend=c10d "
+          f"--nnodes={nodes} --nproc-per-node={gpus_per_node} --rdzv-backend=c10d "
           f"--rdzv-endpoint={host}:{port} -m ftbench.dist --store {host}:{port} --run-dir {job['run_dir']} "
           "and this run's overrides", flush=True)
     tail = _Tail(Path(job["metrics"]), log)
