@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt3-6.7b")
     parser.add_argument("--f", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=256, help="micro-batches of the global batch")
+    parser.add_argument("--stage-per", choices=("node", "gpu"), default="node", help="strategy.stage_per")
     args = parser.parse_args()
 
     from ftbench.cli import compose
@@ -28,12 +29,13 @@ def main() -> None:
     from ftbench.planning.oobleck import Templates, instantiate, split_batch, template_range
 
     ctx = RunContext.from_config(compose(["backend=sim", f"model={args.model}", f"hardware={args.hardware}"]))
-    print(f"{args.model} ({ctx.spec.layers} layers) on {args.hardware}, f={args.f}, {args.microbatches} micro-batches")
+    print(f"{args.model} ({ctx.spec.layers} layers) on {args.hardware}, f={args.f}, {args.microbatches} micro-batches, "
+          f"stage per {args.stage_per}")
     print(f"{'nodes':>6} {'GPUs/node':>9} {'n0':>3} {'templates':>10} {'make (s)':>9} {'instantiate (s)':>16} "
           f"{'plan (s)':>9}  pipelines")
     for nodes, gpus in ((30, 1), (30, 4), (1024, 1), (1024, 4)):
         started = time.perf_counter()
-        t = Templates(ctx.cost_model, gpus)
+        t = Templates(ctx.cost_model, gpus, args.stage_per)
         n0 = t.n0()
         lo, hi = template_range(n0, nodes, args.f)
         sizes = [n for n in range(lo, min(hi, t.longest) + 1) if t.get(n) is not None]
@@ -42,15 +44,19 @@ def main() -> None:
         counts = range((args.f + 1) * n0, nodes + 1) if nodes <= 30 else (nodes,)
         for live in counts:
             found = instantiate(t, sizes, live, args.f, args.microbatches)
-            assert found is not None and sum(found[0]) == live
+            assert found is not None and sum(found[0]) == live, (live, found)
         inst = time.perf_counter() - started
         chosen, _ = found
         started = time.perf_counter()
-        templates = [t.get(n) for n in chosen]
-        split = split_batch(templates, args.microbatches)
-        specs, node = [], 0
-        for n, template, m in zip(chosen, templates, split):
-            specs.append((list(range(node * gpus, (node + n) * gpus)), template.partition, m))
+        lanes = t.lanes_of(chosen)
+        split = split_batch(lanes, args.microbatches)
+        specs, node, at = [], 0, 0
+        for n in chosen:
+            gpus_of = [list(range(k * gpus, (k + 1) * gpus)) for k in range(node, node + n)]
+            for lane in range(t.lanes):
+                workers = [w for g_ in gpus_of for w in g_] if t.lanes == 1 else [g_[lane] for g_ in gpus_of]
+                specs.append((workers, lanes[at].partition, split[at]))
+                at += 1
             node += n
         plan = pipelines_plan("1f1b", specs, lambda w, g=gpus: w // g)
         built = time.perf_counter() - started

@@ -44,7 +44,7 @@ NODES, GPUS = 30, 4
 
 
 RECOMPUTE: dict[str, str] = {}  # model -> train.recompute, chosen by needs_recompute
-STAGE_PER = ["gpu"]  # strategy.stage_per (--stage-per)
+STAGE_PER = ["node"]  # strategy.stage_per (--stage-per)
 
 
 def needs_recompute(model: str, hardware: str) -> str:
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(PUBLISHED))
     parser.add_argument("--hardware", default="a100-40gb")
     parser.add_argument("--by-nodes", action="store_true", help="also throughput by live-node count, 30 down to 15")
-    parser.add_argument("--stage-per", choices=("gpu", "node"), default="gpu",
+    parser.add_argument("--stage-per", choices=("node", "gpu"), default="node",
                         help="strategy.stage_per: a node's GPUs hold consecutive stages, or share the node's one stage")
     args = parser.parse_args()
     STAGE_PER[0] = args.stage_per

@@ -154,7 +154,7 @@ class OobleckConfig(StrategyConfig):
     name: str = "oobleck"
     f: int = 1  # failures to survive at once: templates for n0..N - f*n0 nodes, at least f+1 pipelines
     batch_split: str = "auto"  # milp (pulp/CBC) | greedy | auto (MILP up to 24 pipelines, else the greedy fill)
-    stage_per: str = "gpu"  # gpu: a node's GPUs hold consecutive stages | node: one stage per node, its GPUs share it as lanes
+    stage_per: str = "node"  # node: one stage per node, its GPUs share it as lanes | gpu: a node's GPUs hold consecutive stages
 
 
 @dataclass

@@ -39,7 +39,7 @@ class Oobleck:
         if self.f < 0:
             raise ConfigError("strategy.f", f"must be 0 or more failures, got {self.f}",
                               "set strategy.f=1 (survive one failure at a time)")
-        self.stage_per = cfg.get("stage_per", "gpu")
+        self.stage_per = cfg.get("stage_per", "node")
         if self.stage_per not in STAGE_PER:
             raise ConfigError("strategy.stage_per", f"unknown choice '{self.stage_per}'",
                               f"choose one of {', '.join(STAGE_PER)}")

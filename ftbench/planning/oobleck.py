@@ -2,11 +2,14 @@
 the live nodes, and the split of the global batch's micro-batches among the pipelines.
 
 **Templates.** A template is the best pipeline over n nodes: its stages, and the layers of
-each. A node's g GPUs each take one stage, consecutive stages of the same pipeline (the
-artifact's planner also lets a node hold several stages by dividing its GPUs; Oobleck's FSDP
-sharding of one stage over a node's GPUs has no counterpart in this schedule IR, and gives
-the pipeline the same pooled node memory). The layers are cut by dynamic programming over
-layer ranges, minimising the slowest stage (then the sum of stage times), with every stage's
+each. By default (stage_per="node", the paper's layout) a node holds one stage and its g
+GPUs share it as *lanes*: lane j of a pipeline is GPU j of each of its nodes, running the
+stages on its own share of the pipeline's micro-batches (Oobleck shards a stage over the
+node's GPUs with FSDP; this schedule IR keeps a replica whole on one GPU, so every GPU holds
+the whole stage). With stage_per="gpu" each GPU takes one stage, consecutive stages of the
+pipeline, which pools the node's memory as FSDP does (the artifact's planner also lets a
+node divide its GPUs among stages). The layers are cut by dynamic programming over layer
+ranges, minimising the slowest stage (then the sum of stage times), with every stage's
 weights, gradients, Adam state and its 1F1B in-flight activations within one GPU's memory.
 
 n0 is the fewest nodes such a cut exists for. Templates exist for every node count n0 ..
@@ -72,7 +75,7 @@ class Template:
 class Templates:
     """Templates of one model on one kind of node, made on demand and kept."""
 
-    def __init__(self, cost_model, gpus_per_node: int, stage_per: str = "gpu"):
+    def __init__(self, cost_model, gpus_per_node: int, stage_per: str = "node"):
         if stage_per not in STAGE_PER:
             raise ValueError(f"stage_per must be one of {STAGE_PER}, got {stage_per!r}")
         self.cost, self.g = cost_model, gpus_per_node
