@@ -17,6 +17,8 @@ one). Fewer live nodes than (f+1)*n0, or a layer no survivor holds, is unrecover
 """
 from __future__ import annotations
 
+import warnings
+
 from ftbench.actions import Rendezvous, SyncFromPeers
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
@@ -58,9 +60,11 @@ class Oobleck:
         t = self.templates
         n0 = t.n0()
         if n0 is None:
+            layout = ("one stage per GPU" if self.stage_per == "gpu" else "one stage per node, whole on each of its GPUs")
             raise ConfigError("model", f"{self.ctx.spec.name} fits on no pipeline of nodes with {cluster.gpus_per_node} "
-                              f"GPUs of {self.ctx.cost_model.hw.memory_gb:g} GB (one stage per GPU, a layer per stage)",
-                              "use GPUs with more memory (hardware=...), more GPUs per node, or a smaller model")
+                              f"GPUs of {self.ctx.cost_model.hw.memory_gb:g} GB ({layout}, a layer per stage at most)",
+                              "use GPUs with more memory (hardware=...), train.recompute=full, a smaller micro-batch, "
+                              "strategy.stage_per=gpu (pools a node's memory), or a smaller model")
         self.n0 = n0
         nodes = cluster.nodes
         lo, hi = template_range(n0, nodes, self.f)
@@ -69,8 +73,11 @@ class Oobleck:
                               f"({self.ctx.spec.name} needs {n0} node(s) per pipeline)",
                               f"lower strategy.f, or use at least {(self.f + 1) * n0} nodes")
         self.sizes = [n for n in range(lo, min(hi, t.longest) + 1) if t.get(n) is not None]
-        # Only the layer count can cap templates below n_max; then some counts may lack a set.
+        # The layer count, or memory, can rule out sizes up to n_max; then some counts may lack a set.
         self.coverage_gaps = uncovered(self.sizes, self.f, (self.f + 1) * n0, nodes)
+        if self.coverage_gaps:
+            warnings.warn(f"oobleck: no set of f+1 or more pipelines of the template sizes {self.sizes} uses exactly "
+                          f"{self.coverage_gaps} live nodes; at those counts some nodes wait idle", stacklevel=2)
         live = sorted(n for n in cluster.alive if n < nodes)
         found = None
         for used in range(len(live), (self.f + 1) * n0 - 1, -1):  # every node if the sizes allow, else most
