@@ -526,7 +526,11 @@ class DistBackend:
     def _take_standbys(self, nodes, plan) -> None:
         """Each replaced node's workers move to the processes of the next standby node."""
         t = self.engine.transport
+        alive = set(t.alive)
         for node in nodes:
+            workers = sorted(w for w, n in plan.node_of.items() if n == node)
+            if workers and all(t.worker_rank.get(w, w) in alive for w in workers):
+                continue  # placed already (a returning node's, or this replacement's, processes)
             spare = next((n for n in self.standbys
                           if all(self.node_of_rank.get(n * self.g + i) == n for i in range(self.g))), None)
             if spare is None:
@@ -534,7 +538,6 @@ class DistBackend:
                                 "a replacement or a returning node is a standby node's processes (raise "
                                 "cluster.spares)")
             self.standbys.remove(spare)
-            workers = sorted(w for w, n in plan.node_of.items() if n == node)
             for i, w in enumerate(workers):
                 t.worker_rank[w] = spare * self.g + i
             for i in range(self.g):
