@@ -125,9 +125,11 @@ def random_case(seed: int, strategy: str, backend: str = "local") -> Case:
         if fallback == "checkpoint":
             strategy_overrides.append(f"strategy.every={srng.randint(1, 4)}")
     elif strategy == "oobleck":
-        # f failures at once; 6 MB GPUs make gpt-tiny need 2 nodes a pipeline (cuts that differ)
-        strategy_overrides += [f"strategy.f={srng.choice((0, 1)) if nodes >= 2 else 0}",
-                               f"hardware.memory_gb={srng.choice((24, 0.006))}"]
+        # f failures at once; 6 MB GPUs make gpt-tiny need 2 nodes a pipeline (cuts that
+        # differ), where the job has the 2 x (f+1) nodes that takes
+        f = srng.choice((0, 1)) if nodes >= 2 and microbatches * dp >= 2 * gpus else 0  # a micro-batch per lane
+        memory = srng.choice((24, 0.006)) if nodes >= 2 * (f + 1) else 24
+        strategy_overrides += [f"strategy.f={f}", f"hardware.memory_gb={memory}"]
     return Case(seed, strategy, backend, tuple(setup), tuple(strategy_overrides), tuple(events), tuple(notes))
 
 

@@ -139,16 +139,20 @@ class Oobleck:
             return Recovery(unrecoverable=str(why))
         idle = self.idle + shed
         if idle:  # nodes waiting for a pipeline take part now
-            pipelines, idle = grow(pipelines, idle, self.n0, self._valid, self.microbatches)
+            pipelines, idle = grow(pipelines, idle, self.n0, self._valid, self._most_pipelines())
         return self._switch(pipelines, cluster, rule, idle)
 
     def _valid(self, nodes: int) -> bool:
         return self.templates.get(nodes) is not None
 
+    def _most_pipelines(self) -> int:
+        """A micro-batch per lane at least."""
+        return self.microbatches // self.templates.lanes
+
     def _join(self, node: int, cluster) -> Recovery:
         if node >= cluster.nodes or any(node in p for p in self.pipelines) or node in self.idle:
             return Recovery()
-        pipelines, idle = grow(self.pipelines, self.idle + [node], self.n0, self._valid, self.microbatches)
+        pipelines, idle = grow(self.pipelines, self.idle + [node], self.n0, self._valid, self._most_pipelines())
         if pipelines == self.pipelines:
             self.idle = idle
             return Recovery()

@@ -20,14 +20,14 @@ a template's size: f+1 pipelines of n0..n_max nodes can hold every total from (f
 (f+1)*n_max (sizes are consecutive, so one more node at a time reaches each), and
 (f+1)*n_max = (f+1)*(N - f*n0) >= N exactly when N >= (f+1)*n0, which the job must satisfy.
 No pipeline of such a set can exceed n_max, since the other f need n0 each. When the model's
-layers cap the pipeline length below n_max, `uncovered` names the counts no set reaches.
+layers or memory rule out sizes up to n_max, `uncovered` names the counts no set reaches.
 
 **Instantiation.** Among the sets of pipeline sizes that use every live node with at least
 f+1 pipelines, the one whose batch split gives the shortest iteration wins. Oobleck
 enumerates the sets; so do we when there are few, rank them by the split's continuous
-optimum and split the best few exactly. When there are many (hundreds of nodes), the candidates are the sets of one size or two
-adjacent sizes, and the set of highest steady-state rate (sum of 1/slowest-stage, from a
-knapsack over node counts).
+optimum and split the best few exactly. When there are many (hundreds of nodes), the
+candidates are the sets of one size or two adjacent sizes, and the set of highest
+steady-state rate (sum of 1/slowest-stage, from a knapsack over node counts).
 
 **Batch split.** The global batch's micro-batches are split among the pipelines to minimise
 the slowest one; pipeline p with B micro-batches takes about a_p + b_p*B (1F1B: its fill and
@@ -45,7 +45,7 @@ STAGE_PER = ("gpu", "node")  # strategy.stage_per
 MILP_MAX_PIPELINES = 24  # larger batch splits use the greedy fill (equal optimum, no solver)
 MILP_TIME_LIMIT_S = 10.0
 ENUMERATE_MAX_SETS = 4000
-EXACT_SPLITS = 8  # sets of pipeline sizes whose batch split is computed exactly (the best by the relaxation)  # more sets of pipeline sizes than this: the knapsack picks one
+EXACT_SPLITS = 8  # sets of sizes whose batch split is computed exactly (the best by the relaxation)  # more sets of pipeline sizes than this: the knapsack picks one
 
 
 @dataclass(frozen=True)
