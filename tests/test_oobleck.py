@@ -182,10 +182,9 @@ def test_seeded_random_failures_train_the_fault_free_model(tmp_path, seed):
 @pytest.mark.dist
 @pytest.mark.parametrize("events,rules,dead", [
     ("[{iteration:2,node:1},{iteration:4,node:4}]", ["merge", "borrow"], [[1], [4]]),
-    ("[{iteration:3,node:0}]", ["merge"], [[0]]),  # the leader's node: rank 1 carries on
     # node 1 returns: its processes are a standby node's (ranks 6 or 7), started for the join
     ("[{iteration:2,node:1},{iteration:4,node:1,kind:join}]", ["merge", "join"], [[1], None]),
-], ids=["merge-then-borrow", "leader", "join"])
+], ids=["merge-then-borrow", "join"])
 def test_dist_processes_reinstantiate_after_real_kills(tmp_path, events, rules, dead):
     """backend=dist: the failed nodes' processes are SIGKILLed; the survivors re-instantiate
     (merge short pipelines, borrow a node), copy the layers each lacks from live holders over
