@@ -474,11 +474,10 @@ class DistBackend:
 
         engine, restored = self.engine, None
         phases: dict[str, float] = {}
-        self._place_returning(new)
+        self._place(new)  # replacements and returning nodes alike
         for action in actions:
             started = time.perf_counter()
             if isinstance(action, WaitForReplacement):
-                self._take_standbys(action.nodes, new)
                 if self.realtime and action.seconds:
                     time.sleep(action.seconds)
                 name = "replacement_s"
@@ -514,9 +513,9 @@ class DistBackend:
         self._pending = None
         return restored
 
-    def _place_returning(self, plan) -> None:
-        """Nodes of `plan` without live processes (a failed node that joins again, or a new
-        one) run on a standby node's processes, as a returning machine's would."""
+    def _place(self, plan) -> None:
+        """Nodes of `plan` without live processes (a replacement, a failed node that joins
+        again, or a new one) run on a standby node's processes, as a new machine's would."""
         t = self.engine.transport
         alive = set(t.alive)
         homeless = sorted({n for w, n in plan.node_of.items() if t.worker_rank.get(w, w) not in alive})
@@ -524,13 +523,10 @@ class DistBackend:
             self._take_standbys(homeless, plan)
 
     def _take_standbys(self, nodes, plan) -> None:
-        """Each replaced node's workers move to the processes of the next standby node."""
+        """Each of these nodes' workers move to the processes of the next standby node."""
         t = self.engine.transport
-        alive = set(t.alive)
         for node in nodes:
             workers = sorted(w for w, n in plan.node_of.items() if n == node)
-            if workers and all(t.worker_rank.get(w, w) in alive for w in workers):
-                continue  # placed already (a returning node's, or this replacement's, processes)
             spare = next((n for n in self.standbys
                           if all(self.node_of_rank.get(n * self.g + i) == n for i in range(self.g))), None)
             if spare is None:
