@@ -158,6 +158,13 @@ class OobleckConfig(StrategyConfig):
 
 
 @dataclass
+class BambooConfig(StrategyConfig):
+    """Bamboo: redundant copies of the next stage, eager redundant forward, failover, reconfiguration."""
+    name: str = "bamboo"
+    overload: Optional[float] = None  # reconfigure at a failover once 2 x overloaded nodes / live nodes exceeds this (Bamboo's simulator: 0.05; null: never)
+
+
+@dataclass
 class WandbConfig:
     """Weights & Biases sink. Offline runs land in the run folder; `wandb sync` uploads them."""
     mode: str = "${oc.env:WANDB_MODE,offline}"  # offline | online | disabled (default: $WANDB_MODE, else offline)
@@ -192,7 +199,8 @@ class FTBenchConfig:
 
 # Strategy schemas, by strategy name; later strategies add theirs here.
 STRATEGY_SCHEMAS: dict[str, type] = {"none": StrategyConfig, "checkpoint": CheckpointConfig,
-                                     "recycle": ReCycleConfig, "oobleck": OobleckConfig}  # presets reuse "checkpoint"
+                                     "recycle": ReCycleConfig, "oobleck": OobleckConfig,
+                                     "bamboo": BambooConfig}  # presets reuse "checkpoint"
 
 BACKENDS = ("sim", "local", "dist")  # backend=...; which of them run is ftbench.run's business
 

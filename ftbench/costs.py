@@ -24,7 +24,8 @@ from functools import lru_cache
 
 from ftbench.layers import GradientSync, Units
 from ftbench.plan import LayerRange, Plan
-from ftbench.schedule import B, BW, F, OPT, W, Op
+from ftbench.schedule import OP_KINDS, Op
+from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM
 from ftbench.models.specs import ModelSpec
 
 ADAM_STATE_BYTES_PER_PARAM = 16
@@ -107,6 +108,10 @@ class CostModel:
     def optimizer_s(self, params: int) -> float:
         """Adam is memory-bound: its time is the state traffic over HBM bandwidth."""
         return ADAM_STEP_TRAFFIC_BYTES_PER_PARAM * params / (self.hw.hbm_gbps * 1e9)
+
+    def state_copy_s(self, params: int) -> float:
+        """Writing a received copy of a stage's weights and optimizer state into its buffers."""
+        return CHECKPOINT_BYTES_PER_PARAM * params / (self.hw.hbm_gbps * 1e9)
 
     # -- communication ------------------------------------------------------------------
     def link_s(self, nbytes: float, same_node: bool) -> float:
@@ -192,18 +197,32 @@ class PlanCosts:
         return cost
 
     def op_time(self, op: Op) -> float:
+        """The op's seconds, by its kind's `cost` in the op-kind table (ftbench.schedule.OP_KINDS)."""
         c = self._stage(op.pipeline, op.stage)
-        if op.kind == F:
+        row = OP_KINDS.get(op.kind)
+        cost = row.cost if row is not None else None
+        if cost == "forward":
             return c.forward_s
-        if op.kind == B:
+        if cost == "backward_input":
             return c.backward_input_s
-        if op.kind == W:
+        if cost == "backward_weight":
             return c.backward_weight_s
-        if op.kind == BW:
+        if cost == "backward":
             return c.backward_input_s + c.backward_weight_s
-        if op.kind == OPT:
+        if cost == "step":
             return self.model.optimizer_s(c.params)
+        if cost == "copy":
+            return self.model.state_copy_s(c.params)
         raise ValueError(f"no cost for {op}")
+
+    def state_transfer_time(self, src_worker: int, dst_worker: int, op: Op) -> float:
+        """Sending the weights and optimizer state of `op`'s stage to the worker that runs `op`
+        (an op whose kind `receives` "state": Bamboo's RSYNC)."""
+        if src_worker == dst_worker:
+            return 0.0
+        node = self.plan.node_of
+        return self.model.link_s(CHECKPOINT_BYTES_PER_PARAM * self._stage(op.pipeline, op.stage).params,
+                                 node[src_worker] == node[dst_worker])
 
     def transfer_time(self, src_worker: int, dst_worker: int) -> float:
         if src_worker == dst_worker:

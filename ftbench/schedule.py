@@ -24,12 +24,12 @@ from typing import NamedTuple
 from ftbench.layers import GradientSync, Layout, stage_layout
 
 F, B, W, BW, OPT = "F", "B", "W", "BW", "OPT"
-KINDS = (F, B, W, BW, OPT)
-NO_MICROBATCH = -1  # OPT ops act on a whole stage
+RF, RSYNC = "RF", "RSYNC"  # Bamboo's redundant forward, and its redundant layers' refresh
+NO_MICROBATCH = -1  # OPT (and RSYNC) ops act on a whole stage
 
 
 class Op(NamedTuple):
-    kind: str  # F | B | W | BW | OPT
+    kind: str  # one of KINDS (the op-kind table below)
     stage: int
     microbatch: int  # NO_MICROBATCH for OPT
     pipeline: int  # the data-parallel replica that owns the micro-batch (or the weights, for OPT)
@@ -42,6 +42,44 @@ class Op(NamedTuple):
 # Op(kind, stage, microbatch, pipeline) without the named tuple's Python-level __new__: the
 # same object, built in C (for loops that build hundreds of thousands of ops).
 _op = partial(tuple.__new__, Op)
+
+
+class OpKind(NamedTuple):
+    """One row of the op-kind table: everything a backend needs to know about a kind.
+
+    `cost`: which of its stage's costs the op takes (ftbench.costs.PlanCosts.op_time):
+    "forward", "backward_input", "backward_weight", "backward" (B + W), "step" (the
+    optimizer) or "copy" (writing a stage's weights and optimizer state into memory).
+    `memory`: what it does to its worker's activation memory (ftbench.sim.simulator):
+    "stash" (keeps the stage's activations until the backward), "stash_to_end" (keeps them
+    until the iteration ends), "unstash" (frees the stash, keeps what W needs when the
+    backward is split), "unstash_weight" (frees what W needed), or "" (nothing).
+    `receives`: what reaches it from the worker of the op it waits for: "boundary" (an
+    activation or its gradient), "state" (a stage's weights and optimizer state) or "".
+    `redundant`: it computes nothing the iteration needs (Bamboo's redundancy), so coverage
+    does not count it."""
+    cost: str
+    memory: str
+    receives: str
+    redundant: bool = False
+
+
+OP_KINDS: dict[str, OpKind] = {
+    F: OpKind("forward", "stash", "boundary"),
+    B: OpKind("backward_input", "unstash", "boundary"),
+    W: OpKind("backward_weight", "unstash_weight", ""),
+    BW: OpKind("backward", "unstash", "boundary"),
+    OPT: OpKind("step", "", ""),
+    # Bamboo: RF(s, m, d) runs stage s's forward of micro-batch m on the worker of stage s-1
+    # (which holds a redundant copy of stage s), on that worker's own output; its activations
+    # stay until the iteration ends, for a backward after a failover.
+    RF: OpKind("forward", "stash_to_end", "", redundant=True),
+    # Bamboo: RSYNC(s, -, d) loads the weights and optimizer state that stage s's worker sends
+    # after its step into the redundant copy its predecessor holds.
+    RSYNC: OpKind("copy", "", "state", redundant=True),
+}
+KINDS = tuple(OP_KINDS)
+REDUNDANT = frozenset(k for k, row in OP_KINDS.items() if row.redundant)
 
 
 class ScheduleError(ValueError):
@@ -280,6 +318,10 @@ def dependencies(schedule: Schedule, op: Op, layout: Layout | None = None, has=N
     if kind == OPT:
         layout = layout or stage_layout(schedule.stages)
         return list(layout.of_position[(d, s)])
+    if kind == RF:  # the predecessor's own forward output (stage 0: the micro-batch itself)
+        return [_op((F, s - 1, m, d))] if s > 0 else []
+    if kind == RSYNC:  # the stage's worker sends its state once it has stepped
+        return [_op((OPT, s, NO_MICROBATCH, d))]
     raise ScheduleError(f"unknown op kind {kind!r} in {op}")
 
 
@@ -444,10 +486,14 @@ def _problems_of(schedule: Schedule, counts: Counter, pipelines, stepped=frozens
         d = op.pipeline
         if op.kind not in KINDS or not 0 <= d < len(schedule.stages) \
                 or not 0 <= op.stage < schedule.stages[d] \
-                or (op.kind != OPT and not 0 <= op.microbatch < schedule.microbatches[d]):
+                or (op.kind not in (OPT, RSYNC) and not 0 <= op.microbatch < schedule.microbatches[d]):
             problems.append(f"{op} is outside the schedule's shape")
     kinds_of = defaultdict(set)  # (stage, micro-batch, pipeline) -> the kinds run for it
     for kind, st, m, d in counts:
+        if kind in REDUNDANT:  # extra work (Bamboo); it must only sit inside the shape
+            if (kind == RSYNC) != (m == NO_MICROBATCH):
+                problems.append(f"{Op(kind, st, m, d)} is outside the schedule's shape")
+            continue
         kinds_of[(st, m, d)].add(kind)
     for d in pipelines:
         stages, mbs = schedule.stages[d], schedule.microbatches[d]

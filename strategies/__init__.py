@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ftbench.errors import ConfigError
+from ftbench.strategies.bamboo import Bamboo
 from ftbench.strategies.base import Recovery, Strategy
 from ftbench.strategies.checkfreq import CheckFreq
 from ftbench.strategies.checkpoint import CheckpointRestart
@@ -12,7 +13,7 @@ from ftbench.strategies.recycle import ReCycle
 from ftbench.strategies.varuna import Varuna
 
 REGISTRY: dict[str, type] = {cls.name: cls for cls in (NoFaultTolerance, CheckpointRestart, CheckFreq,
-                                                       ElasticHorovod, Varuna, ReCycle, Oobleck)}
+                                                       ElasticHorovod, Varuna, ReCycle, Oobleck, Bamboo)}
 
 
 def build_strategy(cfg, ctx) -> Strategy:

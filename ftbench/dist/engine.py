@@ -37,7 +37,7 @@ from ftbench.models.data import batch
 from ftbench.models.gpt import build_stage
 from ftbench.engine.local import fragment_writers, holding, load_shards, replica_units, to_device
 from ftbench.recovery_costs import SaveCost
-from ftbench.schedule import F, OPT, Op, dependency_graph, topological_order
+from ftbench.schedule import F, OPT, RSYNC, Op, dependency_graph, topological_order
 
 
 class DistEngine:
@@ -157,6 +157,7 @@ class DistEngine:
             if dies_after is not None:
                 os.kill(os.getpid(), signal.SIGKILL)  # backend.kill past this worker's last op: here
             self.transport.flush_sends()
+            self.transport.flush_state_sends()  # redundant copies' refreshes (Bamboo)
             self._track_memory()
         if completed is not None:
             return None
@@ -338,6 +339,12 @@ class _CutTransport:
             schedule.backward_input_op(stage, microbatch, pipeline)
         if consumer in self._completed:
             self._t.send(key, tensor, src, dst)
+
+    def send_state(self, units, shard, src, dst) -> None:
+        """A redundant copy's refresh (Bamboo) is sent only if its RSYNC is among the completed."""
+        where = self._plan.schedule.index()
+        if any(op.kind == RSYNC and where[op] == dst for op in self._completed):
+            self._t.send_state(units, shard, src, dst)
 
 
 class DistBackend:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ftbench.engine.transport import ACT, GRAD, Key
 from ftbench.errors import UserError
 from ftbench.layers import GradientSync, fragment_layout
-from ftbench.schedule import B, BW, F, Op
+from ftbench.schedule import B, BW, F, OPT, RSYNC, Op
 
 KIND_CODE = {ACT: 0, GRAD: 1}
 MAX_DIMS = 4  # parameters have at most this many dimensions (GPT-2's have 1 or 2)
@@ -106,6 +106,15 @@ def p2p_order(plan) -> tuple[dict, dict]:
                     dst = where[schedule.backward_input_op(op.stage - 1, op.microbatch, op.pipeline)]
                     sends.setdefault((w, dst), []).append((GRAD, op.pipeline, op.stage - 1, op.microbatch))
     return sends, receives
+
+
+def redundant_pairs(plan) -> list[tuple[int, int]]:
+    """(worker that steps a stage, worker holding its redundant copy) per RSYNC op, in a fixed
+    order: the state copies every iteration of the plan makes."""
+    schedule = plan.schedule
+    where = schedule.index()
+    return sorted((where[Op(OPT, op.stage, op.microbatch, op.pipeline)], w)
+                  for w in schedule.workers for op in schedule.ops[w] if op.kind == RSYNC)
 
 
 class DistTransport:
@@ -188,6 +197,7 @@ class DistTransport:
             pair = (self.rank_of(src), self.rank_of(dst))
             if pair not in self._pairs and self.rank in pair:
                 self._pairs[pair] = self._new_group(pair, f"from{pair[0]}to{pair[1]}")  # one per direction
+        self.state_groups(redundant_pairs(plan))  # Bamboo's redundant copies are refreshed every iteration
         for sync in fragment_layout(plan.schedule.stages, plan.partition).syncs:
             members = _members(plan, sync)
             if len(members) < 2:

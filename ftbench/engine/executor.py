@@ -32,8 +32,8 @@ import torch
 from ftbench.costs import RECOMPUTE_MODES
 from ftbench.engine.transport import ACT, GRAD, InProcessTransport, Transport
 from ftbench.engine.worker import StageReplica, Worker
-from ftbench.layers import GradientSync, fragment_layout, model_layers
-from ftbench.schedule import B, BW, F, OPT, W, Op, dependency_graph, topological_order
+from ftbench.layers import GradientSync, fragment_layout, model_layers, stage_units
+from ftbench.schedule import B, BW, F, OPT, RF, RSYNC, W, Op, dependency_graph, topological_order
 from ftbench.models.gpt import lm_loss_sum
 
 
@@ -69,6 +69,7 @@ class WorkerExecutor:
         self.tokens, self.normaliser = tokens, normaliser
         self.recompute = recompute == "full"
         self._batches: dict = {}
+        self._redundant_inputs: dict = {}  # (pipeline, micro-batch) -> own output, for RF
         self._n_layers = model_layers(plan.partition)
 
     def replica(self, pipeline: int, stage: int) -> StageReplica:
@@ -86,9 +87,57 @@ class WorkerExecutor:
         elif op.kind == OPT:
             replica.optimizer.step()
             replica.optimizer.zero_grad(set_to_none=True)
+            self._send_to_redundant(op, replica)
+        elif op.kind == RF:
+            self._redundant_forward(op, replica)
+        elif op.kind == RSYNC:
+            self._refresh_redundant(op, replica)
         else:
             raise ValueError(f"unknown op {op}")
         return None
+
+    # -- Bamboo's redundant copies (ftbench.schedule: RF, RSYNC) ---------------------------
+    def _runs_here(self, op: Op) -> bool:
+        return self.plan.schedule.index().get(op) == self.worker.id
+
+    def _units(self, op: Op) -> tuple[int, int]:
+        return stage_units(self.plan.layers(op.pipeline, op.stage), op.stage == 0,
+                           self.plan.is_last_stage(op.pipeline, op.stage), self._n_layers)
+
+    def _redundant_forward(self, op: Op, replica: StageReplica) -> None:
+        """Stage s's forward on the redundant copy, on this worker's own output of stage s-1;
+        its activations stay in the copy's stash until the iteration ends (RSYNC clears them)."""
+        key = (op.pipeline, op.microbatch)
+        if op.stage == 0:
+            x = self.tokens(*key)
+        else:
+            x = self._redundant_inputs.pop(key)
+        last = self.plan.is_last_stage(op.pipeline, op.stage)
+        if self.recompute:  # as F: only the input is kept, a backward would rebuild the rest
+            with torch.no_grad():
+                replica.module(x)
+            replica.stash[("redundant",) + key] = (x, None, x.numel() * x.element_size())
+        else:
+            saved = _SavedBytes()
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                y = replica.module(x.detach().requires_grad_() if op.stage > 0 else x)
+                out = lm_loss_sum(y, self.tokens(*key)) / self.normaliser if last else y
+            replica.stash[("redundant",) + key] = (x, out, saved.bytes)
+        self._note_activations()
+
+    def _send_to_redundant(self, op: Op, replica: StageReplica) -> None:
+        """After the step, send the stage's weights and optimizer state to the worker holding
+        its redundant copy (Bamboo keeps the copy in step this way)."""
+        refresh = Op(RSYNC, op.stage, op.microbatch, op.pipeline)
+        dst = self.plan.schedule.index().get(refresh)
+        if dst is not None:
+            self.transport.send_state(self._units(op), replica.shard(), self.worker.id, dst)
+
+    def _refresh_redundant(self, op: Op, replica: StageReplica) -> None:
+        src = self._peer(Op(OPT, op.stage, op.microbatch, op.pipeline))
+        shard = self.transport.receive_state(self._units(op), src, self.worker.id)
+        replica.stash.clear()  # the redundant forwards' activations live until the iteration ends
+        replica.load(shard["model"], shard["optim"])
 
     # -- gradient syncs -----------------------------------------------------------------
     def _sync_replica(self, sync: GradientSync) -> StageReplica:
@@ -144,6 +193,8 @@ class WorkerExecutor:
         self._note_activations()
         if last:
             return out.detach().to(torch.float64)
+        if self._runs_here(Op(RF, op.stage + 1, op.microbatch, op.pipeline)):
+            self._redundant_inputs[key] = y.detach()  # this worker's redundant forward of the next stage
         dst = self._peer(Op(F, op.stage + 1, op.microbatch, op.pipeline))
         self.transport.send((ACT, op.pipeline, op.stage, op.microbatch), y.detach(), self.worker.id, dst)
         return None

@@ -36,8 +36,12 @@ from collections.abc import Mapping
 
 from ftbench.layers import Layout, fragment_layout, stage_layout
 from ftbench.sim.parts import PartCopy, bound_copies, part_copies
-from ftbench.schedule import (B, BW, F, OPT, W, GradientSync, GridOps, Op, PartFlows, Schedule, dependency_graph,
+from ftbench.schedule import (B, BW, F, OP_KINDS, OPT, W, GradientSync, GridOps, Op, PartFlows, Schedule, dependency_graph,
                               identity, indexed_graph, kahn_order, read_ops, sync_inputs, topological_order)
+
+
+_MEMORY = {kind: row.memory for kind, row in OP_KINDS.items()}
+_RECEIVES_STATE = frozenset(kind for kind, row in OP_KINDS.items() if row.receives == "state")
 
 
 def overlapped_sync_s(allreduce_s: float, buckets: int, backward_s: float) -> float:
@@ -507,6 +511,8 @@ class _Graph:
         if len(order) < len(nodes):
             topological_order(schedule, deps, workers=run)  # raises, naming where each worker waits
         transfer, op_time = costs.transfer_time, costs.op_time
+        # ops that receive a stage's state (a costs object without it charges a plain hop)
+        state_transfer = getattr(costs, "state_transfer_time", lambda src, dst, op: transfer(src, dst))
         self.n, self.steps = len(nodes), []
         # train.overlap_grad_reduce: per sync node, (buckets, [(input op seconds, the inputs
         # of that length)]), the inputs grouped by length (max_j(end_j + c) = max_j(end_j) + c
@@ -528,8 +534,11 @@ class _Graph:
                     self.overlap[i] = (n, sorted(groups.items()))
             else:
                 w = where[node]
-                ins = [(j, None if isinstance(nodes[j], GradientSync) else transfer(where[nodes[j]], w))
-                       for j in preds[i]]
+                if node.kind in _RECEIVES_STATE:
+                    ins = [(j, state_transfer(where[nodes[j]], w, node)) for j in preds[i]]
+                else:
+                    ins = [(j, None if isinstance(nodes[j], GradientSync) else transfer(where[nodes[j]], w))
+                           for j in preds[i]]
                 t = op_time(node)
                 self.steps.append((i, node, w, t, ins, None))
                 if self.overlap is not None:
@@ -636,16 +645,19 @@ def _summarise(schedule, costs, ops_out, ar_out) -> SimResult:
         stash = peak = 0
         act = act_peak = 0.0
         for op in ops:  # a worker's memory depends only on its own order, not on timing
-            if op.kind == F:
+            effect = _MEMORY[op.kind]  # the op-kind table's memory effect
+            if effect == "stash":
                 stash += 1
                 act += costs.stash_bytes(op)
-            elif op.kind in (B, BW):
+            elif effect == "unstash":
                 if recompute_bytes is not None:
                     act_peak = max(act_peak, act + recompute_bytes(op))
                 stash -= 1
                 act -= costs.stash_bytes(op) - (costs.weight_stash_bytes(op) if op.kind == B else 0.0)
-            elif op.kind == W:
+            elif effect == "unstash_weight":
                 act -= costs.weight_stash_bytes(op)
+            elif effect == "stash_to_end":  # held until the iteration ends (Bamboo's redundant forward)
+                act += costs.stash_bytes(op)
             peak, act_peak = max(peak, stash), max(act_peak, act)
         peak_stash[w], peak_act[w] = peak, act_peak
         peak_mem[w] = costs.static_bytes(w) + act_peak

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftbench.schedule import B, BW, F, OPT, W, Op
+from ftbench.schedule import B, BW, F, OPT, RF, RSYNC, W, Op
 
 
 @dataclass
@@ -24,7 +24,8 @@ class UnitCosts:
     def op_time(self, op: Op) -> float:
         if op.kind == BW:
             return self.fused_backward if self.fused_backward is not None else self.backward_input + self.backward_weight
-        return {F: self.forward, B: self.backward_input, W: self.backward_weight, OPT: self.optimizer}[op.kind]
+        return {F: self.forward, B: self.backward_input, W: self.backward_weight, OPT: self.optimizer,
+                RF: self.forward, RSYNC: 0.0}[op.kind]
 
     def transfer_time(self, src_worker: int, dst_worker: int) -> float:
         return 0.0 if src_worker == dst_worker else self.transfer

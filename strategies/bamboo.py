@@ -1,0 +1,236 @@
+"""`bamboo`: redundant computation (Thorpe et al., NSDI 2023).
+
+Pipelines of S stages (cluster.pp), one node per stage. Every worker also holds a redundant
+copy of the next stage of its pipeline, (s+1) mod S, weights and optimizer state. The copy is
+kept in step the way Bamboo's engine is written to: after its optimizer step, the worker of
+stage s+1 sends that stage's weights and optimizer state to its predecessor (RSYNC in the
+schedule IR, ftbench.schedule), so the copy equals the original exactly. With several GPUs
+per node, GPU j of S consecutive nodes forms one pipeline (lane j), so stage s and its copy
+are never on one node.
+
+*Eager redundant forward*: worker s runs stage s+1's forward of micro-batch m on its own
+output (RF in the IR) just before it waits for that micro-batch's gradient, and keeps the
+activations until the iteration ends. The last worker holds stage 0's copy but runs no
+redundant forward (as in Bamboo's engine, whose last stage never waits for a gradient). The
+redundant backward is lazy: nothing runs it until a failover.
+
+*Failover*: when the worker of stage s+1 fails, worker s runs both stages of that pipeline
+from its copy, with no state copied; only the iteration in flight is lost (Bamboo finishes
+it from the stashed redundant forwards; here it is run again). Stage s+1 then has no copy
+left, nor does s+2 (its copy was on the failed worker).
+
+*Reconfiguration*: a failure is fatal to the pipeline when the failed worker already ran
+two stages or its stage has no live copy (its predecessor failed before). Then the live
+nodes are regrouped into floor(nodes / S) pipelines (each node one stage again, every copy
+restored), the global batch kept (more micro-batches per pipeline); each worker copies the
+layers it lacks from a live holder, original or copy, and the nodes left over wait. Joined
+nodes wait too, until a reconfiguration uses them: when another whole pipeline fits, or when
+there are at least as many waiting nodes as overloaded ones (nodes running two stages), as
+in Bamboo's simulator. `strategy.overload` (Bamboo's simulator: 0.05) also reconfigures at a
+failover once 2 x overloaded / live nodes exceeds it. Fewer than S live nodes, or a layer no
+survivor holds, is unrecoverable.
+"""
+from __future__ import annotations
+
+from ftbench.actions import Rendezvous, SyncFromPeers
+from ftbench.errors import ConfigError
+from ftbench.failures import FailureEvent
+from ftbench.plan import Plan
+from ftbench.schedule import B, BW, NO_MICROBATCH, OPT, RF, RSYNC, Op, Schedule, generate, grid_worker, read_ops
+from ftbench.strategies.base import Recovery
+from ftbench.transfers import peer_copies
+
+
+class Bamboo:
+    name = "bamboo"
+    checkpoint_mode = None
+
+    def __init__(self, cfg, ctx):
+        self.cfg, self.ctx = cfg, ctx
+        self.overload = cfg.get("overload", None)
+        if self.overload is not None and not 0 <= float(self.overload) < 1:
+            raise ConfigError("strategy.overload", f"must be a fraction in [0, 1) or null, got {self.overload}",
+                              "set strategy.overload=null (reconfigure only when a pipeline breaks or grows) "
+                              "or 0.05 (Bamboo's simulator)")
+        self.microbatches = ctx.global_batch // ctx.microbatch_size
+        self.groups: list[list[int]] = []  # S nodes each, in stage order
+        self.idle: list[int] = []  # live nodes in no pipeline
+        self.runner: list[list[int]] = []  # per pipeline, per stage: the worker that runs it
+        self.copy: list[list[int | None]] = []  # per pipeline, per stage: the worker holding its redundant copy
+        self.current: Plan | None = None
+
+    # -- plan ---------------------------------------------------------------------------
+    def plan(self, cluster) -> Plan:
+        self.S, self.lanes = cluster.pp, cluster.gpus_per_node
+        if self.S < 2:
+            raise ConfigError("cluster.pp", "bamboo needs at least 2 stages: a worker holds a redundant copy of "
+                              "the next stage of its pipeline", "set cluster.pp=2 or more")
+        if cluster.dp % self.lanes:
+            raise ConfigError("cluster.dp", f"bamboo puts each stage on its own node, so the {self.lanes} GPUs of a "
+                              f"node run {self.lanes} pipelines side by side; {cluster.dp} pipelines is not a multiple",
+                              f"set cluster.dp to a multiple of cluster.gpus_per_node ({self.lanes})")
+        live = sorted(n for n in cluster.alive if n < cluster.nodes)
+        if len(live) // self.S * self.lanes > self.microbatches:
+            raise ConfigError("train.microbatches", f"{len(live) // self.S * self.lanes} pipelines but only "
+                              f"{self.microbatches} micro-batches in the global batch",
+                              "raise train.microbatches, or lower cluster.dp")
+        self._regroup(live, cluster)
+        self.current = self._build(cluster)
+        return self.current
+
+    def _regroup(self, live: list[int], cluster) -> None:
+        """floor(nodes / S) whole pipelines (times the lanes) over `live`, every copy in place."""
+        count = len(live) // self.S
+        self.groups = [live[k * self.S:(k + 1) * self.S] for k in range(count)]
+        self.idle = live[count * self.S:]
+        self.runner, self.copy = [], []
+        for nodes in self.groups:
+            for lane in range(self.lanes):
+                workers = [cluster.workers_on(n)[lane] for n in nodes]
+                self.runner.append(workers)
+                self.copy.append([workers[(s - 1) % self.S] for s in range(self.S)])
+
+    def _build(self, cluster, rule: str = "") -> Plan:
+        """The plan of the current pipelines: each its own schedule with the redundant ops, the
+        stages of a worker that took over its successor's merged into one order."""
+        S, dp = self.S, len(self.runner)
+        counts = self.ctx.split_microbatches(dp)
+        ops: dict[int, list[Op]] = {}
+        holds: dict[int, list[tuple[int, int]]] = {}
+        for d in range(dp):
+            for w, order in pipeline_orders(self.ctx.schedule_name, S, counts[d], d, self.runner[d],
+                                            self.copy[d]).items():
+                ops[w] = order
+            for s, w in enumerate(self.runner[d]):
+                holds.setdefault(w, []).append((d, s))
+            for s, w in enumerate(self.copy[d]):
+                if w is not None and (d, s) not in holds[w]:
+                    holds[w].append((d, s))
+        schedule = Schedule(ops, stages=(S,) * dp, microbatches=counts, name=self.ctx.schedule_name)
+        partition = (self.ctx.cost_model.balanced_partition(S),) * dp
+        failed_over = sum(len(set(r)) < S for r in self.runner)
+        shape = f"{len(self.groups)}x{S}" + (f"x{self.lanes}" if self.lanes > 1 else "")
+        name = f"bamboo[{shape}]" + (f" {failed_over} failed over" if failed_over else "") + (f" after {rule}" if rule else "")
+        return Plan(schedule=schedule, partition=partition, holds={w: tuple(h) for w, h in holds.items()},
+                    node_of={w: cluster.node_of(w) for w in ops}, name=name)
+
+    # -- membership ---------------------------------------------------------------------
+    def on_event(self, event: FailureEvent, cluster, iteration: int) -> Recovery:
+        node = event.node
+        if event.kind == "join":
+            return self._join(node, cluster)
+        if node in self.idle:
+            self.idle.remove(node)
+            return Recovery()
+        if not any(node in nodes for nodes in self.groups):
+            return Recovery()  # a node outside the job
+        dead = set(cluster.workers_on(node))
+        broken = [(d, s) for d, stages in enumerate(self.runner) for s, w in enumerate(stages)
+                  if w in dead and (self.copy[d][s] is None or self.copy[d][s] in dead)]
+        if broken:
+            d, s = broken[0]
+            return self._reconfigure(cluster, f"stage {s} of pipeline {d} lost its copy")
+        runner = [[self.copy[d][s] if w in dead else w for s, w in enumerate(stages)]
+                  for d, stages in enumerate(self.runner)]
+        copy = [[None if w in dead or stages[s] != self.runner[d][s] else w for s, w in enumerate(held)]
+                for d, (held, stages) in enumerate(zip(self.copy, runner))]
+        live = len(self._live_nodes(cluster))
+        if self.overload is not None and 2 * len(_overloaded(runner, cluster)) / max(live, 1) > self.overload:
+            return self._reconfigure(cluster, "overload")
+        self.runner, self.copy = runner, copy
+        self.current = self._build(cluster, "failover")
+        return Recovery(actions=[Rendezvous()], plan=self.current)
+
+    def _join(self, node: int, cluster) -> Recovery:
+        if node >= cluster.nodes or node in self.idle or any(node in nodes for nodes in self.groups):
+            return Recovery()
+        self.idle.append(node)
+        more = len(self._live_nodes(cluster)) // self.S > len(self.groups)
+        overloaded = _overloaded(self.runner, cluster)
+        if more or (overloaded and len(self.idle) >= len(overloaded)):
+            return self._reconfigure(cluster, "join")
+        return Recovery()
+
+    def _live_nodes(self, cluster) -> list[int]:
+        alive = cluster.alive
+        return sorted(n for n in [*(n for nodes in self.groups for n in nodes), *self.idle] if n in alive)
+
+    def _reconfigure(self, cluster, rule: str) -> Recovery:
+        """Regroup the live nodes into whole pipelines; copy the layers each worker lacks."""
+        live = self._live_nodes(cluster)
+        if len(live) < self.S:
+            return Recovery(unrecoverable=f"{len(live)} live nodes, fewer than the {self.S} stages of one pipeline "
+                            f"({rule})")
+        old = self.current
+        saved = (self.groups, self.idle, self.runner, self.copy)
+        self._regroup(live, cluster)
+        new = self._build(cluster, f"reconfiguration ({rule})")
+        alive = cluster.alive
+
+        def survived(w: int) -> bool:
+            return cluster.node_of(w) in alive
+
+        lost = _unheld(old, new, survived)
+        if lost:
+            self.groups, self.idle, self.runner, self.copy = saved
+            return Recovery(unrecoverable=f"no surviving worker holds stage {lost[0]} (original or redundant copy): "
+                            f"{rule}")
+        self.current = new
+        copies = peer_copies(old, new, survived, self.ctx.cost_model)
+        return Recovery(actions=[Rendezvous(), SyncFromPeers(copies)], plan=new)
+
+
+def _overloaded(runner: list[list[int]], cluster) -> set[int]:
+    """Nodes that run two stages of some pipeline (after a failover)."""
+    return {cluster.node_of(w) for stages in runner for w in stages if stages.count(w) > 1}
+
+
+def _unheld(old: Plan, new: Plan, survived) -> list[int]:
+    """Stages of `new` whose layers no surviving worker of `old` holds."""
+    held = {old.layers(d, s) for w, h in old.holds.items() if survived(w) for d, s in h}
+    return sorted({s for h in new.holds.values() for d, s in h if new.layers(d, s) not in held})
+
+
+def pipeline_orders(generator: str, S: int, microbatches: int, d: int, runner: list[int],
+                    copy: list[int | None]) -> dict[int, list[Op]]:
+    """Pipeline d's ops by worker: `generator`'s order for each stage; RF(s+1, m) just before
+    the backward of (s, m) on the worker holding stage s+1's copy when it runs stage s (none
+    for stage 0's copy); RSYNC(s) last on every copy's worker. A worker that runs two stages
+    takes both stages' ops in the order of a fault-free run's timing (unit op costs), which
+    keeps every dependency ahead of its consumer, so the merged orders cannot deadlock."""
+    one = generate(generator, S, microbatches)
+    read = read_ops(one)
+    per_stage = [[op._replace(pipeline=d) for op in read(grid_worker(0, s, S))] for s in range(S)]
+    for s in range(S - 1):
+        holder = copy[s + 1]
+        if holder is not None and holder == runner[s] and runner[s + 1] != holder:
+            order, out, added = per_stage[s], [], set()
+            for op in order:
+                if op.kind in (B, BW) and op.microbatch not in added:
+                    out.append(Op(RF, s + 1, op.microbatch, d))
+                    added.add(op.microbatch)
+                out.append(op)
+            per_stage[s] = out
+    for s, holder in enumerate(copy):
+        if holder is not None and runner[s] != holder:
+            per_stage[(s - 1) % S].append(Op(RSYNC, s, NO_MICROBATCH, d))
+    by_worker: dict[int, list[int]] = {}
+    for s, w in enumerate(runner):
+        by_worker.setdefault(w, []).append(s)
+    if all(len(stages) == 1 for stages in by_worker.values()):
+        return {runner[s]: per_stage[s] for s in range(S)}
+    start = _start_times(per_stage, S, microbatches)
+    return {w: sorted((op for s in stages for op in per_stage[s]), key=lambda op: (start[op[:3]], op.stage))
+            for w, stages in by_worker.items()}
+
+
+def _start_times(per_stage: list[list[Op]], S: int, microbatches: int) -> dict[tuple, float]:
+    """(kind, stage, micro-batch) -> its start in a run of the pipeline with one worker per
+    stage and every op one unit long."""
+    from ftbench.sim.simulator import simulate
+    from ftbench.sim.unit_costs import UnitCosts
+
+    alone = {s: [op._replace(pipeline=0) for op in ops] for s, ops in enumerate(per_stage)}
+    result = simulate(Schedule(alone, stages=(S,), microbatches=(microbatches,)), UnitCosts(optimizer=1.0),
+                      dedupe=False)
+    return {op[:3]: start for _, op, start, _ in result.ops}
