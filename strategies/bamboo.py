@@ -1,6 +1,7 @@
 """`bamboo`: redundant computation (Thorpe et al., NSDI 2023).
 
-Pipelines of S stages (cluster.pp), one node per stage. Every worker also holds a redundant
+Pipelines of S stages (cluster.pp), one node per stage, as many as the job's nodes hold
+(cluster.pp x cluster.dp / cluster.gpus_per_node nodes, or cluster.nodes). Every worker also holds a redundant
 copy of the next stage of its pipeline, (s+1) mod S, weights and optimizer state. The copy is
 kept in step the way Bamboo's engine is written to: after its optimizer step, the worker of
 stage s+1 sends that stage's weights and optimizer state to its predecessor (RSYNC in the
@@ -65,11 +66,11 @@ class Bamboo:
         if self.S < 2:
             raise ConfigError("cluster.pp", "bamboo needs at least 2 stages: a worker holds a redundant copy of "
                               "the next stage of its pipeline", "set cluster.pp=2 or more")
-        if cluster.dp % self.lanes:
-            raise ConfigError("cluster.dp", f"bamboo puts each stage on its own node, so the {self.lanes} GPUs of a "
-                              f"node run {self.lanes} pipelines side by side; {cluster.dp} pipelines is not a multiple",
-                              f"set cluster.dp to a multiple of cluster.gpus_per_node ({self.lanes})")
         live = sorted(n for n in cluster.alive if n < cluster.nodes)
+        if len(live) < self.S:
+            raise ConfigError("cluster.nodes", f"bamboo puts each of the {self.S} stages on its own node, and the job "
+                              f"has {len(live)} nodes", f"use at least cluster.pp = {self.S} nodes (cluster.nodes, "
+                              "or cluster.pp x cluster.dp / cluster.gpus_per_node)")
         if len(live) // self.S * self.lanes > self.microbatches:
             raise ConfigError("train.microbatches", f"{len(live) // self.S * self.lanes} pipelines but only "
                               f"{self.microbatches} micro-batches in the global batch",

@@ -1,0 +1,188 @@
+"""Bamboo: every worker holds its successor's stage (refreshed after each step), runs its
+forward redundantly before each backward, and takes the stage over when its successor fails;
+broken pipelines regroup. The redundancy is real on `local`: the copies are replicas whose
+equality with the originals the final-state check verifies, and failovers, reconfigurations
+and joins train exactly what fault-free training trains."""
+import random
+
+import pytest
+
+from conftest import LOCAL, assert_matches_fault_free, compose, run
+from ftbench.cluster import Cluster
+from ftbench.context import RunContext
+from ftbench.costs import ADAM_STATE_BYTES_PER_PARAM, PlanCosts
+from ftbench.failures import FailureEvent
+from ftbench.schedule import B, BW, F, OPT, RF, RSYNC, Op, Schedule, ScheduleError, validate
+from ftbench.sim.simulator import simulate
+from ftbench.strategies import build_strategy
+from ftbench.strategies.bamboo import pipeline_orders
+
+SETUP = ("strategy=bamboo", "cluster.pp=3", "cluster.dp=2")  # 6 nodes: 2 pipelines of 3
+
+
+def _planned(*overrides):
+    cfg = compose("backend=sim", "strategy=bamboo", "wandb.mode=disabled", *overrides)
+    ctx = RunContext.from_config(cfg)
+    cluster = Cluster.from_config(cfg.cluster)
+    strategy = build_strategy(cfg.strategy, ctx)
+    return ctx, cluster, strategy, strategy.plan(cluster.view())
+
+
+def _fail(strategy, cluster, node):
+    cluster.fail(node)
+    return strategy.on_event(FailureEvent(node), cluster.view(), 0)
+
+
+# -- the plan and its schedule --------------------------------------------------------------------
+def test_each_worker_holds_the_next_stage_and_runs_its_forward_before_each_backward():
+    ctx, _, _, plan = _planned("model=gpt-tiny", *SETUP[1:], "train.microbatches=4")
+    validate(plan.schedule)
+    S = 3
+    for d in range(2):
+        workers = [plan.schedule.worker_of(Op(OPT, s, -1, d)) for s in range(S)]
+        for s, w in enumerate(workers):
+            assert set(plan.holds[w]) == {(d, s), (d, (s + 1) % S)}  # its stage and a copy of the next
+            ops = plan.schedule.ops[w]
+            # the copy is refreshed from its stage's worker after that worker's step
+            assert ops[-1] == Op(RSYNC, (s + 1) % S, -1, d)
+            redundant = [op for op in ops if op.kind == RF]
+            if s == S - 1:
+                assert redundant == []  # the last stage holds stage 0 but never runs it (Bamboo's engine)
+                continue
+            assert [op.microbatch for op in redundant] == list(range(4))
+            for op in redundant:  # right before the backward of the same micro-batch
+                after = ops[ops.index(op) + 1]
+                assert after.kind in (B, BW) and after.microbatch == op.microbatch and after.stage == s
+                assert ops.index(Op(F, s, op.microbatch, d)) < ops.index(op)
+    assert plan.name == "bamboo[2x3]"
+
+
+def test_misplaced_redundant_ops_are_refused():
+    ops = pipeline_orders("1f1b", 2, 2, 0, [0, 1], [1, 0])
+    validate(Schedule(ops, stages=(2,), microbatches=(2,)))
+    for bad in (Op(RF, 1, 5, 0), Op(RSYNC, 1, 0, 0), Op(RF, 2, 0, 0)):
+        broken = {w: list(o) for w, o in ops.items()}
+        broken[0].append(bad)
+        with pytest.raises(ScheduleError, match="outside the schedule's shape"):
+            validate(Schedule(broken, stages=(2,), microbatches=(2,)))
+
+
+def test_a_worker_running_two_stages_merges_them_without_deadlock():
+    """After a failover worker 0 runs stages 0 and 1 (and keeps no copy); every other worker's
+    redundancy that survives stays."""
+    for gen in ("gpipe", "1f1b", "zb-h1"):
+        ops = pipeline_orders(gen, 4, 6, 0, [0, 0, 2, 3], [3, None, None, 2])
+        validate(Schedule(ops, stages=(4,), microbatches=(6,)))
+        assert not any(op.kind in (RF, RSYNC) for op in ops[0])  # it holds no copy now
+        assert [op for op in ops[3] if op.kind in (RF, RSYNC)] == [Op(RSYNC, 0, -1, 0)]
+        assert {op.stage for op in ops[0] if op.kind == F} == {0, 1}
+
+
+def test_redundancy_doubles_the_state_and_keeps_every_redundant_forward_in_memory():
+    """Sim: a worker's static memory is its stage plus the next one, 16 bytes a parameter each;
+    its activations add the next stage's for every micro-batch (held to the iteration's end);
+    the redundant forwards make the iteration longer than without redundancy."""
+    setup = ("model=gpt3-medium", "hardware=a100-40gb", "cluster.pp=4", "cluster.dp=2",
+             "train.microbatch_size=1", "train.microbatches=8")
+    ctx, _, _, plan = _planned(*setup)
+    costs = PlanCosts(ctx.cost_model, plan)
+    result = simulate(plan.schedule, costs)
+    cut = ctx.cost_model.balanced_partition(4)
+    stage = [ctx.cost_model.stage(cut[s], s == 0, s == 3) for s in range(4)]
+    w = plan.schedule.worker_of(Op(OPT, 1, -1, 0))  # stage 1: 3 in flight under 1F1B, stage 2 redundant
+    assert costs.static_bytes(w) == ADAM_STATE_BYTES_PER_PARAM * (stage[1].params + stage[2].params)
+    own = redundant = peak = 0.0
+    for op in plan.schedule.ops[w]:  # own stash: F to BW; redundant forwards: kept to the end
+        own += stage[1].activation_bytes * ((op.kind == F) - (op.kind == BW))
+        redundant += stage[2].activation_bytes * (op.kind == RF)
+        peak = max(peak, own + redundant)
+    assert redundant == 8 * stage[2].activation_bytes
+    assert result.peak_activation_bytes[w] == pytest.approx(peak)
+    cfg = compose("backend=sim", "strategy=none", "wandb.mode=disabled", *setup)
+    base_ctx = RunContext.from_config(cfg)
+    base = build_strategy(cfg.strategy, base_ctx).plan(Cluster.from_config(cfg.cluster).view())
+    assert result.iteration_time > simulate(base.schedule, PlanCosts(base_ctx.cost_model, base)).iteration_time
+
+
+def test_out_of_memory_comes_from_the_memory_model(tmp_path):
+    """GPT-3 3.35B at pp 4 fits an 80 GB A100 without redundancy, and Bamboo's copies and
+    redundant activations do not: an `oom` result, not a traceback."""
+    setup = ("backend=sim", "model=gpt3-3.35b", "hardware=a100-80gb", "cluster.pp=4", "cluster.dp=2",
+             "train.microbatch_size=1", "train.microbatches=8", "train.iterations=3")
+    assert run(tmp_path / "none", *setup, "strategy=none")["status"] == "ok"
+    summary = run(tmp_path / "bamboo", *setup, "strategy=bamboo")
+    assert summary["status"] == "oom" and "out of memory" in summary["error"]
+
+
+# -- failover and reconfiguration rules ---------------------------------------------------------
+def test_failover_moves_the_stage_to_its_predecessor_and_drops_the_lost_copies():
+    _, cluster, bamboo, plan = _planned("model=gpt-tiny", *SETUP[1:])
+    recovery = _fail(bamboo, cluster, 1)  # pipeline 0, stage 1
+    assert [type(a).__name__ for a in recovery.actions] == ["Rendezvous"]  # no state moves
+    new = recovery.plan
+    assert new.schedule.worker_of(Op(OPT, 1, -1, 0)) == 0
+    assert set(new.holds[0]) == {(0, 0), (0, 1)} and set(new.holds[2]) == {(0, 2), (0, 0)}
+    assert not any(op.kind == RF for op in new.schedule.ops[0])
+    # stage 2's copy was on the failed worker: losing stage 2's worker now breaks the pipeline
+    recovery = _fail(bamboo, cluster, 2)
+    assert recovery.plan.name.startswith("bamboo[1x3] after reconfiguration")
+    assert [type(a).__name__ for a in recovery.actions] == ["Rendezvous", "SyncFromPeers"]
+
+
+def test_overload_threshold_reconfigures_at_a_failover():
+    _, cluster, bamboo, _ = _planned("model=gpt-tiny", *SETUP[1:], "strategy.overload=0.05")
+    recovery = _fail(bamboo, cluster, 1)  # 2 x 1 overloaded / 5 live > 5 %
+    assert "reconfiguration (overload)" in recovery.plan.name
+
+
+def test_too_few_nodes_for_a_pipeline_is_unrecoverable(tmp_path):
+    summary = run(tmp_path, *LOCAL, "strategy=bamboo", "cluster.pp=3", "cluster.dp=1",
+                  "failures.events=[{iteration:2,node:1},{iteration:3,node:2}]")
+    assert summary["status"] == "unrecoverable" and "fewer than the 3 stages" in summary["error"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("cluster.pp=1", "at least 2 stages"),
+    ("strategy.overload=2", "must be a fraction"),
+])
+def test_bad_settings_name_the_setting(tmp_path, override, message):
+    summary = run(tmp_path, "backend=sim", "model=gpt-tiny", "strategy=bamboo", "cluster.pp=2", "cluster.dp=2", override)
+    assert summary["status"] == "error" and message in summary["error"], summary["error"]
+    assert override.split("=")[0] in summary["error"]
+
+
+# -- training -------------------------------------------------------------------------------------
+def _rules(summary) -> list[str]:
+    return [r["plan"].split(" after ")[-1].split(" (")[0] for r in summary["recoveries"]]
+
+
+@pytest.mark.parametrize("events,rules", [
+    ("[{iteration:2,node:1}]", ["failover"]),
+    ("[{iteration:2,node:1},{iteration:4,node:5}]", ["failover", "failover"]),  # in different pipelines
+    ("[{iteration:2,node:1},{iteration:4,node:0}]", ["failover", "reconfiguration"]),  # consecutive stages
+    ("[{iteration:1,node:2},{iteration:2,node:1},{iteration:5,node:1,kind:join},{iteration:6,node:2,kind:join}]",
+     ["failover", "reconfiguration", "reconfiguration"]),  # the pipeline comes back when its nodes rejoin
+], ids=["failover", "two-failovers", "reconfiguration", "join"])
+def test_redundant_stages_train_the_fault_free_model(tmp_path, events, rules):
+    summary = assert_matches_fault_free(tmp_path, setup=SETUP, faults=(f"failures.events={events}",))
+    assert _rules(summary) == rules
+    assert all(r["lost_iterations"] == 0 for r in summary["recoveries"])
+
+
+def test_a_nodes_gpus_fail_over_together(tmp_path):
+    """2 GPUs per node: GPU j of 3 nodes is one pipeline, so a node's failure fails over two
+    pipelines at once, each to its own predecessor."""
+    summary = assert_matches_fault_free(tmp_path, setup=("strategy=bamboo", "cluster.pp=3", "cluster.dp=4",
+                                                         "cluster.gpus_per_node=2", "train.microbatches=2"),
+                                        faults=("failures.events=[{iteration:2,node:4}]",))
+    assert summary["recoveries"][0]["plan"] == "bamboo[2x3x2] 2 failed over after failover"
+
+
+@pytest.mark.parametrize("seed", [5, 17])
+def test_seeded_random_failures_train_the_fault_free_model(tmp_path, seed):
+    rng = random.Random(f"bamboo-{seed}")
+    nodes = rng.sample(range(6), 3)
+    iterations = sorted(rng.sample(range(1, 9), 3))
+    events = ",".join(f"{{iteration:{i},node:{n}}}" for i, n in zip(iterations, nodes))
+    summary = assert_matches_fault_free(tmp_path, setup=SETUP, faults=(f"failures.events=[{events}]",))
+    assert summary["failures"] == 3
