@@ -33,7 +33,7 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = ("checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck")
+STRATEGIES = ("checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck", "bamboo")
 ITERATIONS = 6
 SETUP = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=2", "cluster.gpus_per_node=1", "cluster.spares=1",
          f"train.iterations={ITERATIONS}", "train.microbatches=4", "report.gantt=false", "report.progress=false",

@@ -36,7 +36,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STRATEGIES = ("none", "checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck")
+STRATEGIES = ("none", "checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck", "bamboo")
 WITH_EVERY = ("checkpoint", "checkfreq", "elastic-horovod", "varuna")
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 OUTCOMES = ("equal", "ok", "unrecoverable", "different", "crashed", "oom")
@@ -130,6 +130,12 @@ def random_case(seed: int, strategy: str, backend: str = "local") -> Case:
         f = srng.choice((0, 1)) if nodes >= 2 and microbatches * dp >= 2 * gpus else 0  # a micro-batch per lane
         memory = srng.choice((24, 0.006)) if nodes >= 2 * (f + 1) else 24
         strategy_overrides += [f"strategy.f={f}", f"hardware.memory_gb={memory}"]
+    elif strategy == "bamboo":
+        # one node per stage: a job of fewer nodes than stages gets the nodes it needs (idle
+        # nodes change nothing for the reference); reconfigure at failovers, or only on breaks
+        if nodes < pp:
+            strategy_overrides.append(f"cluster.nodes={pp}")
+        strategy_overrides.append(f"strategy.overload={srng.choice(('null', 0.05))}")
     return Case(seed, strategy, backend, tuple(setup), tuple(strategy_overrides), tuple(events), tuple(notes))
 
 

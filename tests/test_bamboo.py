@@ -186,3 +186,24 @@ def test_seeded_random_failures_train_the_fault_free_model(tmp_path, seed):
     events = ",".join(f"{{iteration:{i},node:{n}}}" for i, n in zip(iterations, nodes))
     summary = assert_matches_fault_free(tmp_path, setup=SETUP, faults=(f"failures.events=[{events}]",))
     assert summary["failures"] == 3
+
+
+@pytest.mark.dist
+def test_dist_processes_fail_over_and_reconfigure_after_real_kills(tmp_path):
+    """backend=dist: two failovers in different pipelines (a worker runs its dead successor's
+    stage from its redundant copy, sending itself the boundary tensors), then the death of a
+    worker running two stages breaks its pipeline and the survivors regroup, copying layers
+    over torch.distributed; the run's own check: exactly fault-free training."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from test_dist_failures import run_dist
+
+    setup = ("model=gpt-tiny", *SETUP, "train.iterations=6", "train.microbatches=2", "report.gantt=false",
+             "report.progress=false", "backend.timeout_s=30")
+    summary, lines = run_dist(tmp_path, "failures.events=[{iteration:2,node:1},{iteration:2,node:5},{iteration:4,node:0}]",
+                              setup=setup)
+    assert summary["matches_fault_free"] is True
+    assert _rules(summary) == ["failover", "failover", "reconfiguration"]
+    assert summary["recoveries"][1]["plan"] == "bamboo[2x3] 2 failed over after failover"
+    assert [r["event"] for r in lines].count("iteration") == 6

@@ -10,7 +10,7 @@ import pytest
 from conftest import run
 from ftbench.metrics import read_metrics
 
-STRATEGIES = ["none", "checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck"]
+STRATEGIES = ["none", "checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck", "bamboo"]
 
 # gpt-tiny, pp=2 x dp=3, one GPU per node: node = pipeline * 2 + stage.
 SETUP = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=3", "train.iterations=8", "train.microbatches=2",

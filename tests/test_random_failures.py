@@ -66,8 +66,10 @@ def test_strategy_settings_come_with_the_strategy():
             assert every in ("1", "2", "3", "4") or (s == "checkfreq" and every == "null")
         fallback = dict(o.split("=") for o in random_case(seed, "recycle").strategy_overrides)["strategy.fallback"]
         assert fallback in ("none", "checkpoint")
+        assert dict(o.split("=") for o in random_case(seed, "bamboo").strategy_overrides)["strategy.overload"] \
+            in ("null", "0.05")
     with pytest.raises(ValueError):
-        random_case(0, "bamboo")
+        random_case(0, "swift")
 
 
 def test_the_description_is_a_command_line_for_the_overrides_and_they_compose():

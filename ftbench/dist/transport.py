@@ -142,6 +142,7 @@ class DistTransport:
         self._groups: dict[tuple[int, ...], object] = {}  # sorted member ranks -> fragment group
         self._slots: dict = {}  # (sync, members) -> per slot: shape or None (no member has a gradient)
         self._sends: list = []  # (work, tensor, key, dst) in flight
+        self._own: dict = {}  # key -> tensor a worker sent to itself (it runs both stages)
         self._state_sends: list = []  # (work, tensor, units, dst) of state copies in flight
         self._reductions: dict = {}  # sync -> (work, buffer(s), members, slots)
         self._prepared = None
@@ -188,14 +189,14 @@ class DistTransport:
         sends, receives = p2p_order(plan)
         if self.ordered:
             for pair, keys in sorted(sends.items()):
-                if receives.get(pair) != keys:
+                if pair[0] != pair[1] and receives.get(pair) != keys:  # a worker's own messages stay in its process
                     src, dst = pair
                     raise DistError(f"plan {plan.name!r}: worker {dst} takes the messages of worker {src} in "
                                     "another order than they are sent, which a backend matching messages by "
                                     "order (NCCL) cannot deliver")
         for src, dst in sorted(sends):
             pair = (self.rank_of(src), self.rank_of(dst))
-            if pair not in self._pairs and self.rank in pair:
+            if pair not in self._pairs and self.rank in pair and pair[0] != pair[1]:
                 self._pairs[pair] = self._new_group(pair, f"from{pair[0]}to{pair[1]}")  # one per direction
         self.state_groups(redundant_pairs(plan))  # Bamboo's redundant copies are refreshed every iteration
         for sync in fragment_layout(plan.schedule.stages, plan.partition).syncs:
@@ -223,6 +224,9 @@ class DistTransport:
     # -- point to point -----------------------------------------------------------------
     def send(self, key: Key, tensor: torch.Tensor, src: int, dst: int) -> None:
         s, d = self.rank_of(src), self.rank_of(dst)
+        if s == d:  # a worker running two stages (Bamboo's failover) hands itself the boundary
+            self._own[key] = tensor.detach()
+            return
         t = tensor.detach().contiguous()
         group = self._pairs[(s, d)]
         work = group.pg.send([t], group.index(d), tag_of(key))
@@ -230,6 +234,8 @@ class DistTransport:
 
     def receive(self, key: Key, src: int, dst: int) -> torch.Tensor:
         s, d = self.rank_of(src), self.rank_of(dst)
+        if s == d:
+            return self._own.pop(key)
         buffer = torch.empty(self.message_shape, dtype=self.dtype, device=self.device)
         group = self._pairs[(s, d)]
         work = group.pg.recv([buffer], group.index(s), tag_of(key))
@@ -363,6 +369,7 @@ class DistTransport:
         return [pickle.loads(p[:int(n.item())].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
 
     def clear(self) -> None:
+        self._own.clear()
         self._sends.clear()
         self._reductions.clear()
 
