@@ -197,13 +197,17 @@ def test_dist_processes_fail_over_and_reconfigure_after_real_kills(tmp_path):
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
+    from test_conformance import _trace
     from test_dist_failures import run_dist
 
     setup = ("model=gpt-tiny", *SETUP, "train.iterations=6", "train.microbatches=2", "report.gantt=false",
-             "report.progress=false", "backend.timeout_s=30")
-    summary, lines = run_dist(tmp_path, "failures.events=[{iteration:2,node:1},{iteration:2,node:5},{iteration:4,node:0}]",
-                              setup=setup)
+             "report.progress=false", "backend.timeout_s=30", "backend.clock=model")
+    events = "failures.events=[{iteration:2,node:1},{iteration:2,node:5},{iteration:4,node:0}]"
+    summary, lines = run_dist(tmp_path / "dist", events, setup=setup)
     assert summary["matches_fault_free"] is True
+    # and the conformance check: the same events, actions, lost work and plans as on sim
+    sim = run(tmp_path / "sim", "backend=sim", *setup[:-1], events)
+    assert _trace(tmp_path / "dist", summary) == _trace(tmp_path / "sim", sim)
     assert _rules(summary) == ["failover", "failover", "reconfiguration"]
     assert summary["recoveries"][1]["plan"] == "bamboo[2x3] 2 failed over after failover"
     assert [r["event"] for r in lines].count("iteration") == 6
