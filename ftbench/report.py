@@ -37,6 +37,8 @@ KIND_COLOURS: dict[str, str] = {
     "W": "#55A868",    # weight gradient: green
     "BW": "#C44E52",   # fused backward: red
     "OPT": "#8172B3",  # optimizer step: purple
+    "RF": "#A1C9F4",   # Bamboo's redundant forward: light blue
+    "RSYNC": "#64B5CD",  # Bamboo's redundant-copy refresh: teal
     "AR": "#937860",   # gradient all-reduce (network): brown, drawn hatched
 }
 UNKNOWN_COLOUR = "#9E9E9E"
