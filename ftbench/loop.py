@@ -320,10 +320,14 @@ class RunLoop:
                       "time_s": self.now(), "samples": self.it * self.ctx.global_batch, "plan": self.plan.name})
             if not self.modelled and self.ckpt.needs_measure(self.plan):
                 self.ckpt.use(self.plan, measured)
-            if self.ckpt.due(self.it):
-                self._save(self.it)
             if self.progress is not None:
                 self.progress(self.it)
+            if self.ckpt.due(self.it):
+                try:
+                    self._save(self.it)
+                except FailuresDiscovered as found:  # a process died during the checkpoint (dist)
+                    self._discovered(found)
+                    return
 
     def _segment(self, first: int, final: int) -> None:
         segments = self.out.plan_segments
@@ -380,7 +384,8 @@ class RunLoop:
 
     def _discovered(self, found: FailuresDiscovered) -> None:
         """Nodes that died unannounced in the iteration in flight (the backend has rolled the
-        survivors back to its start): each fails as a scripted failure striking at fraction 0."""
+        survivors back to its start) or in the checkpoint after it (its state stands): each
+        fails as a scripted failure striking at fraction 0 of the next iteration to run."""
         for node in found.nodes:
             if not self.cluster.is_alive(node) or self.out.status != "ok":
                 continue

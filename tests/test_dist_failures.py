@@ -150,6 +150,20 @@ def test_an_unannounced_death_is_rolled_back_and_recovered(tmp_path, strategy, k
     assert summary["measured_recoveries"][0]["unannounced"] is True
 
 
+def test_a_death_during_a_checkpoint_is_recovered(tmp_path):
+    """Rank 3 dies in the checkpoint after iteration 3 (backend.kill=3:3:save), outside any
+    iteration: the survivors' gather of the shards fails, they agree on the dead, keep their
+    state (the iteration was complete) and the strategy recovers as from a failure at the
+    next iteration's start; the unfinished checkpoint is never restored."""
+    summary, lines = run_dist(tmp_path, "strategy=checkpoint", "strategy.every=2", "backend.kill=3:3:save",
+                              "backend.timeout_s=10")
+    fails = [r for r in lines if r["event"] == "fail"]
+    assert [(r["node"], r["iteration"]) for r in fails] == [(3, 4)] and "stopped beating" in fails[0]["unannounced"]
+    (recovery,) = summary["recoveries"]
+    assert (recovery["restored_iteration"], recovery["lost_iterations"]) == (2, 2)
+    assert summary["matches_fault_free"] is True and summary["iterations"] == 6
+
+
 def test_an_unannounced_death_stops_the_run_when_asked(tmp_path):
     """backend.unannounced=stop: the same death ends the run with an error naming who died."""
     marker = uuid.uuid4().hex

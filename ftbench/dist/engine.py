@@ -141,7 +141,7 @@ class DistEngine:
             if self.undo and completed is None:
                 self._undo = {layers: r.shard() for layers, r in self.worker.replicas.items()}
             dies_after = self.kill[2] if self.kill and self.kill[:2] == (self.rank, iteration) and completed is None \
-                else None
+                and isinstance(self.kill[2], int) else None
             for done, step in enumerate(steps):
                 if done == dies_after:
                     os.kill(os.getpid(), signal.SIGKILL)  # backend.kill: a death the run loop was not told of
@@ -431,12 +431,13 @@ class DistBackend:
                          "new_group_s": time.perf_counter() - started, "struck_to_regrouped_s": 0.0}
         self._pending["struck_to_regrouped_s"] = time.perf_counter() - struck
 
-    def _unannounced(self, err: BaseException, plan, iteration: int) -> None:
+    def _unannounced(self, err: BaseException, plan, iteration: int, roll_back: bool = True) -> None:
         """A wait of iteration `iteration` failed. If processes died (a crash no failure script
         announced), their nodes fail: the node's other processes stop too, the survivors agree
         on the dead, roll their replicas back to the iteration's start (backend.unannounced=
         recover) and raise FailuresDiscovered for the run loop, which asks the strategy as for
-        a failure at that iteration's start. Else, or with unannounced=stop, the error stands."""
+        a failure at that iteration's start. Else, or with unannounced=stop, the error stands.
+        `roll_back=False`: the wait was outside an iteration (a checkpoint), whose state stands."""
         from ftbench.dist.membership import MembershipError, agree, detect
         from ftbench.loop import FailuresDiscovered
 
@@ -463,7 +464,8 @@ class DistBackend:
             agree_s = agree(self.store, t.epoch + 1, t.rank, survivors, victims, 3 * t.timeout_s)
         except MembershipError as error:
             raise DistError(f"rank {t.rank}: {error}") from None
-        engine.roll_back()
+        if roll_back:
+            engine.roll_back()
         started = time.perf_counter()
         t.regroup(survivors)
         for r in victims:
@@ -550,7 +552,28 @@ class DistBackend:
     def save(self, plan, iteration: int, mode: str) -> SaveCost:
         """A checkpoint: in-memory commits stay in each process; files are written by the
         leader from the writers' shards. Every rank returns the leader's measured cost, so
-        every run loop makes the same decisions from it."""
+        every run loop makes the same decisions from it. A process that dies meanwhile is
+        found as in an iteration (FailuresDiscovered), with nothing to roll back: the
+        iteration before the checkpoint is complete, and a checkpoint left unfinished does
+        not verify, so no restore takes it."""
+        if self._dies_in_save(iteration):
+            os.kill(os.getpid(), signal.SIGKILL)  # backend.kill=RANK:ITERATION:save
+        try:
+            return self._save(plan, iteration, mode)
+        except (DistError, RuntimeError) as err:
+            if self.store is None:
+                raise
+            self._unannounced(err, plan, iteration, roll_back=False)  # raises FailuresDiscovered, or the error
+            raise
+
+    def _dies_in_save(self, iteration: int) -> bool:
+        """backend.kill=RANK:K:save names this rank and the checkpoint after iteration K."""
+        from ftbench.dist.launch import SAVE
+
+        kill = self.engine.kill
+        return bool(kill) and kill[2] == SAVE and (kill[0], kill[1] + 1) == (self.engine.rank, iteration)
+
+    def _save(self, plan, iteration: int, mode: str) -> SaveCost:
         engine = self.engine
         t = engine.transport
         if engine.plan is not plan:
