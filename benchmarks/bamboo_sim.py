@@ -17,8 +17,10 @@ nothing is calibrated (ratios do not depend on `hardware.efficiency`).
 Setups (assumptions where the papers do not say):
   - "Oobleck's table" (Oobleck SOSP'23, Table 2): 30 nodes of 4 A100 40 GB GPUs; Bamboo with 6
     stages per pipeline (the step of Oobleck's Bamboo throughput table, 6 nodes) and one
-    node per stage, so 5 x 4 pipelines; global batch BERT-Large 8192, GPT-2 1024 (REFERENCE.md);
-    micro-batches of 2 (BERT) and 4 (GPT-2), Bamboo's own example configurations
+    node per stage, so 5 x 4 pipelines; global batch BERT-Large 8192, GPT-2 1024, GPT-3 Medium
+    819, 2.7B 512, 6.7B 1024 (REFERENCE.md), each rounded to a multiple of 20 pipelines x the
+    micro-batch (`none` needs that); micro-batches of 2 (BERT) and 4 (GPT-2), Bamboo's own
+    example configurations, and 8 / 4 / 4 for the GPT-3 models (benchmarks/oobleck_table.py)
     (external/deepspeed/DeepSpeedExamples/pipeline_parallelism/{bert,gpt2}.json); the model's
     context (512, 1024); no activation recomputation (Bamboo's examples set none, and its
     redundant forward keeps every activation until the iteration ends). `none`: the same
@@ -53,6 +55,13 @@ OOBLECK = [  # (model, setup overrides for bamboo, for none)
                     "train.global_batch=8160", "train.microbatch_size=2"], 30),
     ("gpt2-xl", ["model=gpt2-xl", "hardware=a100-40gb", "cluster.gpus_per_node=4", "cluster.pp=6",
                  "train.global_batch=1040", "train.microbatch_size=4"], 30),
+    # the GPT-3 rows of Oobleck's table (Bamboo: OOM there), micro-batches as benchmarks/oobleck_table.py
+    ("gpt3-medium", ["model=gpt3-medium", "hardware=a100-40gb", "cluster.gpus_per_node=4", "cluster.pp=6",
+                     "train.global_batch=800", "train.microbatch_size=8"], 30),
+    ("gpt3-2.7b", ["model=gpt3-2.7b", "hardware=a100-40gb", "cluster.gpus_per_node=4", "cluster.pp=6",
+                   "train.global_batch=480", "train.microbatch_size=4"], 30),
+    ("gpt3-6.7b", ["model=gpt3-6.7b", "hardware=a100-40gb", "cluster.gpus_per_node=4", "cluster.pp=6",
+                   "train.global_batch=1040", "train.microbatch_size=4"], 30),
 ]
 RECYCLE = [
     ("gpt3-medium", ["model=gpt3-medium", "hardware=a100-40gb", "cluster.pp=4", "cluster.dp=4",
