@@ -81,7 +81,7 @@ class Bamboo:
 
     def _regroup(self, live: list[int], cluster) -> None:
         """floor(nodes / S) whole pipelines (times the lanes) over `live`, every copy in place."""
-        count = len(live) // self.S
+        count = self._fitting(len(live))
         self.groups = [live[k * self.S:(k + 1) * self.S] for k in range(count)]
         self.idle = live[count * self.S:]
         self.runner, self.copy = [], []
@@ -146,11 +146,15 @@ class Bamboo:
         if node >= cluster.nodes or node in self.idle or any(node in nodes for nodes in self.groups):
             return Recovery()
         self.idle.append(node)
-        more = len(self._live_nodes(cluster)) // self.S > len(self.groups)
+        more = self._fitting(len(self._live_nodes(cluster))) > len(self.groups)
         overloaded = _overloaded(self.runner, cluster)
         if more or (overloaded and len(self.idle) >= len(overloaded)):
             return self._reconfigure(cluster, "join")
         return Recovery()
+
+    def _fitting(self, nodes: int) -> int:
+        """Node groups of whole pipelines over `nodes` live nodes, a micro-batch per pipeline at least."""
+        return min(nodes // self.S, self.microbatches // self.lanes)
 
     def _live_nodes(self, cluster) -> list[int]:
         alive = cluster.alive

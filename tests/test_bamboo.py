@@ -135,6 +135,14 @@ def test_overload_threshold_reconfigures_at_a_failover():
     assert "reconfiguration (overload)" in recovery.plan.name
 
 
+def test_joined_nodes_wait_when_another_pipeline_would_lack_a_micro_batch():
+    _, cluster, bamboo, _ = _planned("model=gpt-tiny", "cluster.pp=2", "cluster.dp=2", "train.microbatches=1")
+    for node in (4, 5):  # new nodes: 3 pipelines would fit, but the global batch has 2 micro-batches
+        cluster.join(node)
+        assert bamboo.on_event(FailureEvent(node, kind="join"), cluster.view(), 0).plan is None
+    assert bamboo.idle == [4, 5]
+
+
 def test_too_few_nodes_for_a_pipeline_is_unrecoverable(tmp_path):
     summary = run(tmp_path, *LOCAL, "strategy=bamboo", "cluster.pp=3", "cluster.dp=1",
                   "failures.events=[{iteration:2,node:1},{iteration:3,node:2}]")
