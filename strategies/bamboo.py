@@ -28,8 +28,8 @@ layers it lacks from a live holder, original or copy, and the nodes left over wa
 nodes wait too, until a reconfiguration uses them: when another whole pipeline fits, or when
 there are at least as many waiting nodes as overloaded ones (nodes running two stages), as
 in Bamboo's simulator. `strategy.overload` (Bamboo's simulator: 0.05) also reconfigures at a
-failover once 2 x overloaded / live nodes exceeds it. Fewer than S live nodes, or a layer no
-survivor holds, is unrecoverable.
+failover once 2 x overloaded / live nodes exceeds it, if a whole pipeline still forms. Fewer
+than S live nodes, or a layer no survivor holds, is unrecoverable.
 """
 from __future__ import annotations
 
@@ -136,7 +136,8 @@ class Bamboo:
         copy = [[None if w in dead or stages[s] != self.runner[d][s] else w for s, w in enumerate(held)]
                 for d, (held, stages) in enumerate(zip(self.copy, runner))]
         live = len(self._live_nodes(cluster))
-        if self.overload is not None and 2 * len(_overloaded(runner, cluster)) / max(live, 1) > self.overload:
+        if self.overload is not None and 2 * len(_overloaded(runner, cluster)) / max(live, 1) > self.overload \
+                and self._fitting(live) > 0:  # (a regroup that forms no pipeline would end the run)
             return self._reconfigure(cluster, "overload")
         self.runner, self.copy = runner, copy
         self.current = self._build(cluster, "failover")
