@@ -111,7 +111,8 @@ class Bamboo:
         partition = (self.ctx.cost_model.balanced_partition(S),) * dp
         failed_over = sum(len(set(r)) < S for r in self.runner)
         shape = f"{len(self.groups)}x{S}" + (f"x{self.lanes}" if self.lanes > 1 else "")
-        name = f"bamboo[{shape}]" + (f" {failed_over} failed over" if failed_over else "") + (f" after {rule}" if rule else "")
+        name = (f"bamboo[{shape}]" + (f" {failed_over} failed over" if failed_over else "")
+                + (f" after {rule}" if rule else ""))
         return Plan(schedule=schedule, partition=partition, holds={w: tuple(h) for w, h in holds.items()},
                     node_of={w: cluster.node_of(w) for w in ops}, name=name)
 

@@ -52,3 +52,14 @@ def assert_matches_fault_free(tmp_path, setup=(), faults=()) -> dict:
                          reference["losses"], load_state(reference["final_state"]))
     assert difference is None, difference
     return faulty
+
+
+def seeded_failures(tag: str, nodes: int, count: int) -> str:
+    """`failures.events=[...]`: `count` failures of distinct nodes below `nodes`, at distinct
+    iterations 1..8 in order, drawn from the seed string `tag` (not picked by hand)."""
+    import random
+
+    rng = random.Random(tag)
+    failed = rng.sample(range(nodes), count)
+    iterations = sorted(rng.sample(range(1, 9), count))
+    return "failures.events=[" + ",".join(f"{{iteration:{i},node:{n}}}" for i, n in zip(iterations, failed)) + "]"

@@ -3,11 +3,10 @@ forward redundantly before each backward, and takes the stage over when its succ
 broken pipelines regroup. The redundancy is real on `local`: the copies are replicas whose
 equality with the originals the final-state check verifies, and failovers, reconfigurations
 and joins train exactly what fault-free training trains."""
-import random
 
 import pytest
 
-from conftest import LOCAL, assert_matches_fault_free, compose, run
+from conftest import LOCAL, assert_matches_fault_free, compose, run, seeded_failures
 from ftbench.cluster import Cluster
 from ftbench.context import RunContext
 from ftbench.costs import ADAM_STATE_BYTES_PER_PARAM, PlanCosts
@@ -154,7 +153,8 @@ def test_too_few_nodes_for_a_pipeline_is_unrecoverable(tmp_path):
     ("strategy.overload=2", "must be a fraction"),
 ])
 def test_bad_settings_name_the_setting(tmp_path, override, message):
-    summary = run(tmp_path, "backend=sim", "model=gpt-tiny", "strategy=bamboo", "cluster.pp=2", "cluster.dp=2", override)
+    summary = run(tmp_path, "backend=sim", "model=gpt-tiny", "strategy=bamboo", "cluster.pp=2", "cluster.dp=2",
+                  override)
     assert summary["status"] == "error" and message in summary["error"], summary["error"]
     assert override.split("=")[0] in summary["error"]
 
@@ -188,11 +188,7 @@ def test_a_nodes_gpus_fail_over_together(tmp_path):
 
 @pytest.mark.parametrize("seed", [5, 17])
 def test_seeded_random_failures_train_the_fault_free_model(tmp_path, seed):
-    rng = random.Random(f"bamboo-{seed}")
-    nodes = rng.sample(range(6), 3)
-    iterations = sorted(rng.sample(range(1, 9), 3))
-    events = ",".join(f"{{iteration:{i},node:{n}}}" for i, n in zip(iterations, nodes))
-    summary = assert_matches_fault_free(tmp_path, setup=SETUP, faults=(f"failures.events=[{events}]",))
+    summary = assert_matches_fault_free(tmp_path, setup=SETUP, faults=(seeded_failures(f"bamboo-{seed}", 6, 3),))
     assert summary["failures"] == 3
 
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from conftest import LOCAL, assert_matches_fault_free, compose, run
+from conftest import LOCAL, assert_matches_fault_free, compose, run, seeded_failures
 from ftbench.context import RunContext
 from ftbench.planning.oobleck import (Template, Templates, Unrecoverable, instantiate, reconfigure, slowest,
                                       split_greedy, split_milp, stage_bytes, uncovered)
@@ -171,11 +171,7 @@ def test_one_stage_per_node_shared_by_its_gpus_trains_the_fault_free_model(tmp_p
 
 @pytest.mark.parametrize("seed", [3, 11])
 def test_seeded_random_failures_train_the_fault_free_model(tmp_path, seed):
-    rng = random.Random(f"oobleck-{seed}")
-    nodes = rng.sample(range(8), 2)
-    iterations = sorted(rng.sample(range(1, 9), 2))
-    events = ",".join(f"{{iteration:{i},node:{n}}}" for i, n in zip(iterations, nodes))
-    summary = assert_matches_fault_free(tmp_path, setup=SETUP, faults=(f"failures.events=[{events}]",))
+    summary = assert_matches_fault_free(tmp_path, setup=SETUP, faults=(seeded_failures(f"oobleck-{seed}", 8, 2),))
     assert summary["failures"] == 2
 
 
