@@ -13,7 +13,13 @@ With `--unannounced`, nothing is scripted: a seeded random process dies after a 
 number of its ops of a seeded random iteration (`backend.kill`), and the survivors must notice,
 agree, roll back to the iteration's start and let the strategy recover (backend.unannounced).
 
-    python benchmarks/dist_chaos.py [--trials 20] [--seed 0] [--strategies checkpoint,recycle,...] [--unannounced]
+With `--during-recovery`, the scripted failure is followed by the death of another seeded
+random process (the standby included) while the recovery from it runs
+(`backend.kill=RANK:ITERATION:recovery`): the survivors complete the recovery without it, then
+recover from its death.
+
+    python benchmarks/dist_chaos.py [--trials 20] [--seed 0] [--strategies checkpoint,recycle,...]
+                                    [--unannounced | --during-recovery]
 
 A trial takes 30 to 45 s on a 2-core machine (5 processes start, the run, then the fault-free
 reference on `local`).
@@ -55,17 +61,21 @@ def marked(marker: str) -> list[int]:
     return found
 
 
-def trial(strategy: str, node: int, iteration: int, folder: Path, ops: int | None = None) -> dict:
+def trial(strategy: str, node: int, iteration: int, folder: Path, ops: int | None = None,
+          also: int | None = None) -> dict:
     """One run: node `node` fails in `iteration`, scripted, or (with `ops`) its process dies
-    unannounced after `ops` of its ops there (one GPU per node: rank = node)."""
+    unannounced after `ops` of its ops there (one GPU per node: rank = node); with `also`,
+    that rank dies during the recovery from the scripted failure."""
     marker = f"FTBENCH_CHAOS={uuid.uuid4().hex}"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", FTBENCH_CHAOS=marker.split("=")[1])
     failure = (f"failures.events=[{{iteration:{iteration},node:{node}}}]" if ops is None else
                f"backend.kill={node}:{iteration}:{ops}")
+    during = () if also is None else (f"backend.kill={also}:{iteration}:recovery", "backend.timeout_s=10")
     started = time.monotonic()
     try:
         subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", f"strategy={strategy}", *SETUP,
                         *EXTRA.get(strategy, ()), failure, *(() if ops is None else ("backend.timeout_s=10",)),
+                        *during,
                         f"hydra.run.dir={folder}"], cwd=ROOT, env=env, capture_output=True, timeout=DEADLINE_S)
         timed_out = False
     except subprocess.TimeoutExpired:
@@ -80,10 +90,12 @@ def trial(strategy: str, node: int, iteration: int, folder: Path, ops: int | Non
     except (OSError, ValueError) as err:
         return {**out, "status": f"no summary ({err})", "passed": False}
     events = [r["event"] for r in lines]
-    complete = events[:1] == ["start"] and events[-1:] == ["end"] and events.count("fail") == 1
+    complete = events[:1] == ["start"] and events[-1:] == ["end"] and \
+        events.count("fail") == (1 if also is None or summary["status"] != "ok" else 2)
     if summary["status"] == "ok":
-        restored = next(r["restored_iteration"] for r in lines if r["event"] == "recovery")
-        after = lines[events.index("recovery"):]
+        last = len(events) - 1 - events[::-1].index("recovery")
+        restored = lines[last]["restored_iteration"]
+        after = lines[last:]
         complete = complete and [r["iteration"] for r in after if r["event"] == "iteration"] == \
             list(range(restored, ITERATIONS))
     ok = summary["status"] == "ok" and summary.get("matches_fault_free") is True
@@ -98,18 +110,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--unannounced", action="store_true", help="kill with backend.kill, nothing scripted")
+    parser.add_argument("--during-recovery", action="store_true",
+                        help="another process dies during the recovery from the scripted failure")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     failed = 0
     print(f"{'strategy':<16} {'trial':>5} {'node':>4} {'iter':>4} {'status':<14} {'wall s':>7} "
-          f"{'detect s':>8} {'agree s':>7} {'state s':>7} {'first it s':>10} {'passed':>6}", flush=True)
+          f"{'detect s':>8} {'agree s':>7} {'state s':>7} {'first it s':>10} {'passed':>6}"
+          + ("  also" if args.during_recovery else ""), flush=True)
     for strategy in args.strategies.split(","):
         phases = []
         for i in range(args.trials):
             node, iteration = rng.randrange(4), rng.randrange(1, ITERATIONS - 1)
             ops = rng.randrange(OPS) if args.unannounced else None
+            also = rng.choice([r for r in range(5) if r != node]) if args.during_recovery else None
             with tempfile.TemporaryDirectory() as tmp:
-                r = trial(strategy, node, iteration, Path(tmp) / "run", ops)
+                r = trial(strategy, node, iteration, Path(tmp) / "run", ops, also)
             m = r.get("measured") or [{}]
             m = m[0]
             phases += r.get("measured") or []
@@ -117,7 +133,7 @@ def main(argv: list[str]) -> int:
             print(f"{strategy:<16} {i:>5} {node:>4} {iteration:>4} {r['status']:<14} {r['wall_s']:7.1f} "
                   f"{m.get('detection_s', float('nan')):8.2f} {m.get('agreement_s', float('nan')):7.3f} "
                   f"{m.get('state_transfer_s', 0.0):7.3f} {m.get('first_iteration_s', float('nan')):10.3f} "
-                  f"{'yes' if r['passed'] else 'NO':>6}"
+                  f"{'yes' if r['passed'] else 'NO':>6}" + (f"  {also}" if also is not None else "")
                   + ("" if r["passed"] else f"  {r.get('error') or ''} left={r['left']} timed_out={r['timed_out']}"),
                   flush=True)
         if phases:

@@ -76,11 +76,13 @@ class FailuresDiscovered(Exception):
     """Raised by a backend's run_iteration: `nodes` died during the iteration in flight without
     any failure script announcing it (a real crash), nothing of that iteration is kept, and
     the survivors are ready to go on without them (dist: backend.unannounced=recover). The run
-    loop then treats each as a failure striking at the start of that iteration."""
+    loop then treats each as a failure striking at the start of that iteration. Raised by
+    `perform` (with `restored`, the iteration the recovery restored), the nodes died while the
+    recovery ran: it was completed without them, and they fail next."""
 
-    def __init__(self, nodes: list[int], why: str = ""):
+    def __init__(self, nodes: list[int], why: str = "", restored: int | None = None):
         super().__init__(f"nodes {nodes} failed unannounced" + (f": {why}" if why else ""))
-        self.nodes, self.why = list(nodes), why
+        self.nodes, self.why, self.restored = list(nodes), why, restored
 
 
 @dataclass
@@ -384,10 +386,19 @@ class RunLoop:
 
     def _discovered(self, found: FailuresDiscovered) -> None:
         """Nodes that died unannounced in the iteration in flight (the backend has rolled the
-        survivors back to its start) or in the checkpoint after it (its state stands): each
-        fails as a scripted failure striking at fraction 0 of the next iteration to run."""
+        survivors back to its start), in the checkpoint after it (its state stands) or during a
+        recovery (completed without them): each fails as a scripted failure striking at
+        fraction 0 of the next iteration to run. A standby node that dies (dist: its
+        processes wait outside the cluster's nodes) is one spare fewer."""
         for node in found.nodes:
-            if not self.cluster.is_alive(node) or self.out.status != "ok":
+            if self.out.status != "ok":
+                return
+            if not self.cluster.is_alive(node):
+                if node >= self.cluster.nodes and self.cluster.spares > 0:
+                    self.cluster.spares -= 1
+                    self.out.failures += 1
+                    self.log({"event": "fail", "node": node, "time_s": self.now(), "iteration": self.it,
+                              "standby": True, "unannounced": found.why or True})
                 continue
             self._fail(node, unannounced=found.why or True)
             self._lose_unpersisted()
@@ -445,8 +456,11 @@ class RunLoop:
                 self.plan = new
             return
         started, t_event = time.perf_counter(), self.now()
+        interrupted = None
         try:
             restored = self.backend.perform(actions, old, new, it)
+        except FailuresDiscovered as found:  # dist: nodes died during the recovery
+            restored, interrupted = found.restored, found
         except UserError as err:
             out.status, out.error = err.status, str(err)
             self.log({"event": err.status, "time_s": self.now(), "iteration": it, "reason": str(err)})
@@ -471,8 +485,12 @@ class RunLoop:
         if copies:  # what moved between workers: layers, from, to, bytes
             record["copies"] = [{"layers": list(c.layers), "embedding": c.embedding, "head": c.head, "src": c.src,
                                  "dst": c.dst, "bytes": c.nbytes} for c in copies]
+        if interrupted is not None:  # completed without them; they fail next
+            record["interrupted_by_nodes"] = interrupted.nodes
         out.recoveries.append(record)
         self.log({"event": "recovery", **record})
+        if interrupted is not None:
+            self._discovered(interrupted)
 
     def _action_seconds(self, action, old: Plan, new: Plan) -> float:
         """action_seconds, once per (action, old plan, new plan): a restart onto the same plan

@@ -137,6 +137,15 @@ def test_bad_unannounced_settings_are_refused(tmp_path, override, message):
     assert override.split("=")[0] in summary["error"]
 
 
+def test_kill_points():
+    from ftbench.dist.launch import parse_kill
+
+    assert parse_kill("3:2:10") == (3, 2, 10)
+    assert parse_kill("3:2:save") == (3, 2, "save")
+    assert parse_kill("4:3:recovery") == (4, 3, "recovery")
+    assert parse_kill("4:3:restart") is None and parse_kill("4:recovery") is None
+
+
 def _silent_peer(timeout_s: float, error_dir: str) -> None:
     """Rank 1 waits for an activation rank 0 never sends; rank 0 stays alive but silent."""
     import torch

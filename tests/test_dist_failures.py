@@ -164,6 +164,39 @@ def test_a_death_during_a_checkpoint_is_recovered(tmp_path):
     assert summary["matches_fault_free"] is True and summary["iterations"] == 6
 
 
+@pytest.mark.parametrize("strategy,events,kill,extra", [
+    # node 1 fails in iteration 3; the standby taking its place (rank 4) dies as the restart
+    # begins: the restore completes without it, then node 1 is replaced again (rank 5)
+    ("checkpoint", "[{iteration:3,node:1}]", "4:3:recovery", ("strategy.every=2", "cluster.spares=2")),
+    # node 1 comes back in iteration 3 and copies stage 1 from worker 3, which dies before
+    # sending: the copy is taken from the other holder (worker 5), then ReCycle re-routes
+    # around node 3
+    ("recycle", "[{iteration:1,node:1},{iteration:3,node:1,kind:join}]", "3:3:recovery", ("cluster.dp=3",)),
+])
+def test_a_death_during_a_recovery_is_recovered(tmp_path, strategy, events, kill, extra):
+    """A process dies while a recovery runs (backend.kill=RANK:ITERATION:recovery): the
+    survivors agree on it, go back to their state from before the recovery and run it again
+    without the dead (a copy from it taken from another holder), then the strategy recovers
+    from the new death as from a failure at the next iteration's start."""
+    summary, lines = run_dist(tmp_path, f"strategy={strategy}", f"failures.events={events}", f"backend.kill={kill}",
+                              "cluster.gpus_per_node=1", "backend.timeout_s=10", "backend.dtype=float64", *extra)
+    rank, iteration = int(kill.split(":")[0]), int(kill.split(":")[1])
+    recoveries = summary["recoveries"]
+    interrupted = next(r for r in recoveries if "interrupted_by_nodes" in r)
+    assert interrupted["iteration"] == iteration
+    after = recoveries[recoveries.index(interrupted) + 1]
+    fails = [r for r in lines if r["event"] == "fail" and r.get("unannounced")]
+    assert [r["node"] for r in fails] == interrupted["interrupted_by_nodes"]
+    assert "during the recovery" in fails[0]["unannounced"]
+    assert after["iteration"] == interrupted["restored_iteration"]
+    measured = summary["measured_recoveries"]
+    assert [m.get("interrupted_by") for m in measured if m.get("interrupted_by")] == [[[rank]]]
+    assert any(m.get("during_recovery") and m["dead_ranks"] == [rank] for m in measured)
+    assert summary["matches_fault_free"] is True and summary["iterations"] == 6
+    events_seen = [r["event"] for r in lines]
+    assert events_seen[0] == "start" and events_seen[-1] == "end"
+
+
 def test_an_unannounced_death_stops_the_run_when_asked(tmp_path):
     """backend.unannounced=stop: the same death ends the run with an error naming who died."""
     marker = uuid.uuid4().hex

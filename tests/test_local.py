@@ -206,3 +206,35 @@ def test_a_run_that_differs_from_fault_free_training_does_not_end_ok(tmp_path, m
     assert s["status"] == "diverged" and "iteration 3" in s["error"] and s["matches_fault_free"] is False
     from ftbench.cli import EXIT_CODES
     assert EXIT_CODES["diverged"] not in (0, 2, 3)
+
+
+@pytest.mark.parametrize("strategy,extra", [("recycle", ()), ("checkpoint", ("strategy.every=2",))])
+def test_a_node_lost_during_a_recovery_fails_next(tmp_path, monkeypatch, strategy, extra):
+    """The run loop's side of a death during a recovery (dist finds these through its waits):
+    the backend completes the recovery without the node, destroys its state and reports it
+    (FailuresDiscovered from `perform`, with the iteration restored); the loop records the
+    interrupted recovery, fails the node at that iteration's start, and the strategy
+    recovers, so training still equals fault-free training."""
+    from ftbench.engine.backend import LocalBackend
+    from ftbench.loop import FailuresDiscovered
+
+    perform, lost = LocalBackend.perform, []
+
+    def perform_then_lose_node_3(self, actions, old, new, iteration):
+        restored = perform(self, actions, old, new, iteration)
+        if actions and not lost:
+            lost.append(iteration)
+            dead = [w for w, node in new.node_of.items() if node == 3]
+            self.strike(new, iteration, frozenset(), dead)
+            raise FailuresDiscovered([3], "died during the recovery (test)", restored=restored)
+        return restored
+
+    monkeypatch.setattr(LocalBackend, "perform", perform_then_lose_node_3)
+    summary = assert_matches_fault_free(tmp_path, ("cluster.gpus_per_node=1",),
+                                        (f"strategy={strategy}", *extra, "failures.events=[{iteration:3,node:1}]"))
+    first, second = summary["recoveries"][:2]
+    assert first["interrupted_by_nodes"] == [3] and lost == [3]
+    assert second["iteration"] == first["restored_iteration"]
+    lines = [json.loads(x) for x in (tmp_path / "faulty" / "metrics.jsonl").read_text().splitlines()]
+    fails = [(r["node"], r["iteration"]) for r in lines if r["event"] == "fail"]
+    assert fails == [(1, 3), (3, first["restored_iteration"])]

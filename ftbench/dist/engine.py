@@ -83,10 +83,37 @@ class DistEngine:
                 self.worker.replicas.pop(layers).destroy()
             for layers, (d, s) in wanted.items():
                 if layers not in self.worker.replicas:
-                    module = build_stage(self.ctx.spec, self.ctx.seed, *layers, s == 0, plan.is_last_stage(d, s))
-                    self.worker.replicas[layers] = StageReplica(s, module.to(device=self.device, dtype=self.dtype),
-                                                                self.lr, self.weight_decay)
+                    self.worker.replicas[layers] = self._replica(layers, s, plan.is_last_stage(d, s))
         self.plan = plan
+
+    def _replica(self, layers, stage: int, last: bool) -> StageReplica:
+        """A replica of `layers` (stage `stage`) from the initial weights."""
+        module = build_stage(self.ctx.spec, self.ctx.seed, *layers, stage == 0, last)
+        return StageReplica(stage, module.to(device=self.device, dtype=self.dtype), self.lr, self.weight_decay)
+
+    def keep(self):
+        """This rank's state before a recovery (its worker and each replica's weights, AdamW
+        state and in-memory commit, in host memory), for `revert` if a death interrupts it."""
+        if self.worker is None or not self.worker.alive:
+            return None
+        return self.worker.id, {layers: (r.stage, r.module.is_last, _on_cpu(r.shard()), _on_cpu(r.commit))
+                                for layers, r in self.worker.replicas.items()}
+
+    def revert(self, kept) -> None:
+        """Back to the state `keep` took: a recovery that a death interrupted starts again from
+        it (replicas the recovery dropped or rebuilt come back as they were)."""
+        self.abandon_iteration()
+        if self.worker is not None:
+            self.worker.destroy()
+        self.worker, self.plan = None, None
+        if kept is None:
+            return
+        worker, replicas = kept
+        self.worker = Worker(worker)
+        for layers, (stage, last, shard, commit) in replicas.items():
+            replica = self.worker.replicas[layers] = self._replica(layers, stage, last)
+            load_shards([replica], [shard], self.device)
+            replica.commit = to_device(commit, self.device)
 
     # -- one iteration ----------------------------------------------------------------------
     def _plan_steps(self, plan):
@@ -244,9 +271,14 @@ class DistEngine:
         """Named state copies (ftbench.actions.Transfer) between processes, then `plan` (as
         LocalEngine.copy_replicas): each source sends the copy's layers as held now; a replica
         this rank newly holds is assembled from the pieces it receives and what it held of
-        those layers before."""
+        those layers before. After a death interrupted the recovery (`revert`), copies to the dead
+        are dropped and a copy from the dead is taken from another survivor holding its layers."""
         t = self.transport
         n = model_layers(plan.partition)
+        alive = set(t.alive)
+        copies = [c for c in copies if t.rank_of(c.dst) in alive]
+        if any(t.rank_of(c.src) not in alive for c in copies):
+            copies = self._from_survivors(copies, n)
         outgoing = []
         for c in copies:  # read every source before adopting: a source may change place in `plan`
             if t.rank_of(c.src) != self.rank:
@@ -284,6 +316,32 @@ class DistEngine:
             except ResultError as err:
                 raise DistError(f"worker {self.worker.id} takes layers {layers} but no copy gives them their state "
                                 f"({err})") from None
+
+    def _from_survivors(self, copies, n: int) -> list:
+        """`copies` with every dead source replaced by the lowest live rank whose worker holds a
+        replica covering the copy's layers (collective: each rank says what it holds). A copy
+        no survivor can give ends the run as unrecoverable: its only holder died mid-recovery."""
+        import dataclasses
+
+        t = self.transport
+        mine = None
+        if self.worker is not None and self.worker.alive:
+            mine = (self.worker.id, [replica_units(r, n) for r in self.worker.replicas.values()])
+        held = [h for h in t.all_gather_objects(mine, "say which layers each survivor holds") if h is not None]
+        alive = set(t.alive)
+        out = []
+        for c in copies:
+            if t.rank_of(c.src) in alive:
+                out.append(c)
+                continue
+            units = stage_units(c.layers, c.embedding, c.head, n)
+            source = next((w for w, ranges in held if w != c.dst and any(lo <= units[0] and units[1] <= hi
+                                                                         for lo, hi in ranges)), None)
+            if source is None:
+                raise ResultError("unrecoverable", f"worker {c.src} died during the recovery while sending {c}, "
+                                  "and no survivor holds those layers")
+            out.append(dataclasses.replace(c, src=source))
+        return out
 
     # -- checkpoints and results ------------------------------------------------------------
     def my_shards(self, plan) -> dict:
@@ -438,10 +496,19 @@ class DistBackend:
         recover) and raise FailuresDiscovered for the run loop, which asks the strategy as for
         a failure at that iteration's start. Else, or with unannounced=stop, the error stands.
         `roll_back=False`: the wait was outside an iteration (a checkpoint), whose state stands."""
-        from ftbench.dist.membership import MembershipError, agree, detect
         from ftbench.loop import FailuresDiscovered
 
-        engine, t = self.engine, self.engine.transport
+        nodes, record = self._lose(err, f"iteration {iteration}", self.engine.roll_back if roll_back else None)
+        self._pending = {"iteration": iteration, **record}
+        raise FailuresDiscovered(nodes, f"ranks {record['dead_ranks']} stopped beating ({type(err).__name__})")
+
+    def _lose(self, err: BaseException, where: str, before_regroup=None) -> tuple[list[int], dict]:
+        """A wait failed in `where`: find who died (else `err` stands), stop the rest of their
+        nodes, agree among the survivors, call `before_regroup`, and continue in a new process
+        group without them. (the dead nodes, the measured phases)."""
+        from ftbench.dist.membership import MembershipError, agree, detect
+
+        t = self.engine.transport
         struck = time.perf_counter()
         try:
             # The peers of a dead rank fail at once; ranks waiting on those peers only at their
@@ -451,7 +518,7 @@ class DistBackend:
             raise err from None  # nobody died: the wait's own error
         nodes = sorted({self.node_of_rank[r] for r in dead})
         if not self.recover:
-            raise DistError(f"rank {t.rank}: ranks {sorted(dead)} (nodes {nodes}) died in iteration {iteration}, "
+            raise DistError(f"rank {t.rank}: ranks {sorted(dead)} (nodes {nodes}) died in {where}, "
                             "and no failure was scripted there (backend.unannounced=stop)") from None
         victims = {r for r, n in self.node_of_rank.items() if n in nodes and r in t.alive}
         if t.rank in victims:
@@ -464,28 +531,71 @@ class DistBackend:
             agree_s = agree(self.store, t.epoch + 1, t.rank, survivors, victims, 3 * t.timeout_s)
         except MembershipError as error:
             raise DistError(f"rank {t.rank}: {error}") from None
-        if roll_back:
-            engine.roll_back()
+        if before_regroup is not None:
+            before_regroup()
         started = time.perf_counter()
         t.regroup(survivors)
         for r in victims:
             del self.node_of_rank[r]
-        self._pending = {"iteration": iteration, "node": nodes[0] if len(nodes) == 1 else nodes,
-                         "dead_ranks": sorted(victims), "unannounced": True, "detection_s": detect_s,
-                         "agreement_s": agree_s, "new_group_s": time.perf_counter() - started,
-                         "struck_to_regrouped_s": time.perf_counter() - struck}
-        raise FailuresDiscovered(nodes, f"ranks {sorted(dead)} stopped beating ({type(err).__name__})")
+        return nodes, {"node": nodes[0] if len(nodes) == 1 else nodes, "dead_ranks": sorted(victims),
+                       "unannounced": True, "detection_s": detect_s, "agreement_s": agree_s,
+                       "new_group_s": time.perf_counter() - started,
+                       "struck_to_regrouped_s": time.perf_counter() - struck}
 
     def perform(self, actions, old, new, iteration: int) -> int | None:
+        """The recovery actions, measured. A death while they run (found through a failed wait,
+        backend.unannounced=recover) interrupts them: the survivors agree on the dead, go back
+        to the state they had before the recovery, and run it again without the dead (copies
+        from them taken from another holder); the run loop is then told of the deaths
+        (FailuresDiscovered, with the iteration restored), as of a failure at the next
+        iteration's start: the recovery completes, then the next failure strikes, as `sim`
+        has it for a failure that falls during a recovery."""
+        from ftbench.loop import FailuresDiscovered
+
+        if self.store is None or not self.recover or not actions:
+            return self._perform(actions, old, new, iteration, {}, self._pending)
+        kept, phases, pending, lost, wasted = self.engine.keep(), {}, self._pending, [], 0.0
+        while True:
+            started = time.perf_counter()
+            try:
+                restored = self._perform(actions, old, new, iteration, phases, pending, lost=lost)
+                break
+            except (DistError, RuntimeError) as err:
+                if isinstance(err, ResultError):
+                    raise
+                wasted += time.perf_counter() - started  # until a wait failed: up to backend.timeout_s
+                nodes, record = self._lose(err, f"the recovery at iteration {iteration}")
+                lost.append(record)
+                self.engine.revert(kept)
+        if not lost:
+            return restored
+        self.recoveries[-1].update(interrupted_by=[r["dead_ranks"] for r in lost], interrupted_s=wasted)
+        self._first_after = None  # the next iteration runs after the recovery from these deaths
+        merged = {"iteration": iteration, **lost[-1], "dead_ranks": sorted(r for x in lost for r in x["dead_ranks"]),
+                  "detection_s": sum(x["detection_s"] for x in lost),
+                  "agreement_s": sum(x["agreement_s"] for x in lost),
+                  "new_group_s": sum(x["new_group_s"] for x in lost), "during_recovery": True}
+        self._pending = merged
+        nodes = sorted({n for x in lost for n in (x["node"] if isinstance(x["node"], list) else [x["node"]])})
+        raise FailuresDiscovered(nodes, f"ranks {merged['dead_ranks']} stopped beating during the recovery",
+                                 restored=restored)
+
+    def _perform(self, actions, old, new, iteration: int, phases: dict, pending, lost=()) -> int | None:
         from ftbench.actions import (Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
                                      WaitForReplacement)
         from ftbench.recovery_costs import action_seconds
 
         engine, restored = self.engine, None
-        phases: dict[str, float] = {}
-        self._place(new)  # replacements and returning nodes alike
+        # replacements and returning nodes alike; not the nodes that died in this recovery (the
+        # strategy decides about them next)
+        self._place(new, skip={n for x in lost for n in (x["node"] if isinstance(x["node"], list) else [x["node"]])})
+        dies = self._dies_in_recovery(iteration)
         for action in actions:
             started = time.perf_counter()
+            if isinstance(action, (WaitForReplacement, Rendezvous)) and lost:
+                continue  # waited for, or agreed, in the interrupted attempt
+            if dies and not isinstance(action, (WaitForReplacement, Rendezvous)):
+                os.kill(os.getpid(), signal.SIGKILL)  # backend.kill=RANK:ITERATION:recovery
             if isinstance(action, WaitForReplacement):
                 if self.realtime and action.seconds:
                     time.sleep(action.seconds)
@@ -504,16 +614,20 @@ class DistBackend:
             elif isinstance(action, Rendezvous):
                 name = "rendezvous_s"  # the group of the survivors was built when they agreed
             elif isinstance(action, SaveCheckpoint):
-                self.save(old, iteration, action.mode)
+                self._save(old, iteration, action.mode)  # a death here interrupts the recovery
                 if engine.store is not None and engine.rank == engine.transport.leader:
                     engine.store.wait()  # a restart must not begin before the files are complete
                 name = "checkpoint_s"
             else:
                 raise TypeError(f"the dist backend cannot perform {action!r}")
             phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
+        if dies:
+            os.kill(os.getpid(), signal.SIGKILL)  # no action moved state: the death strikes at the end
         engine.adopt(new)
-        if actions:
-            record = dict(self._pending or {"iteration": iteration})
+        if actions:  # every live rank completed it, or none goes on (a death meanwhile interrupts it)
+            engine.transport.all_sum(torch.zeros(1, dtype=torch.float64, device=engine.device),
+                                     f"finish the recovery at iteration {iteration} with every rank")
+            record = dict(pending or {"iteration": iteration})
             record.update(phases)
             record["actions"] = [type(a).__name__ for a in actions]
             record["predicted_actions_s"] = sum(action_seconds(a, old, new, engine.ctx.cost_model) for a in actions)
@@ -522,12 +636,13 @@ class DistBackend:
         self._pending = None
         return restored
 
-    def _place(self, plan) -> None:
+    def _place(self, plan, skip=frozenset()) -> None:
         """Nodes of `plan` without live processes (a replacement, a failed node that joins
         again, or a new one) run on a standby node's processes, as a new machine's would."""
         t = self.engine.transport
         alive = set(t.alive)
-        homeless = sorted({n for w, n in plan.node_of.items() if t.worker_rank.get(w, w) not in alive})
+        homeless = sorted({n for w, n in plan.node_of.items()
+                           if t.worker_rank.get(w, w) not in alive and n not in skip})
         if homeless:
             self._take_standbys(homeless, plan)
 
@@ -565,6 +680,14 @@ class DistBackend:
                 raise
             self._unannounced(err, plan, iteration, roll_back=False)  # raises FailuresDiscovered, or the error
             raise
+
+    def _dies_in_recovery(self, iteration: int) -> bool:
+        """backend.kill=RANK:K:recovery names this rank and the recovery performed at iteration
+        K: it dies as the first action that moves or loads state starts (else at the end)."""
+        from ftbench.dist.launch import RECOVERY
+
+        kill = self.engine.kill
+        return bool(kill) and kill[2] == RECOVERY and (kill[0], kill[1]) == (self.engine.rank, iteration)
 
     def _dies_in_save(self, iteration: int) -> bool:
         """backend.kill=RANK:K:save names this rank and the checkpoint after iteration K."""

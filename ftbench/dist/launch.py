@@ -71,10 +71,12 @@ def check_config(cfg, strategy, clock: str) -> None:
     if kill is not None:
         parsed = parse_kill(kill)
         if parsed is None:
-            raise ConfigError("backend.kill", f"'{kill}' is not RANK:ITERATION:OPS or RANK:ITERATION:save",
+            raise ConfigError("backend.kill", f"'{kill}' is not RANK:ITERATION:OPS, RANK:ITERATION:save or "
+                              "RANK:ITERATION:recovery",
                               "give three whole numbers, e.g. backend.kill=3:2:10 (rank 3 dies after 10 ops of "
                               "iteration 2), or backend.kill=3:2:save (rank 3 dies in the checkpoint after "
-                              "iteration 2)")
+                              "iteration 2), or backend.kill=3:2:recovery (rank 3 dies in the recovery from a "
+                              "failure in iteration 2)")
         if parsed[1] >= cfg.train.iterations:
             raise ConfigError("backend.kill", f"iteration {parsed[1]} is past the run's {cfg.train.iterations} "
                               "iterations", "pick an iteration the run reaches")
@@ -98,15 +100,17 @@ LAUNCHERS = ("self", "torchrun")  # backend.launcher
 
 
 SAVE = "save"  # backend.kill=RANK:ITERATION:save: the death strikes in the checkpoint after ITERATION
+RECOVERY = "recovery"  # backend.kill=RANK:ITERATION:recovery: in the recovery performed at ITERATION
 
 
 def parse_kill(text) -> tuple[int, int, int | str] | None:
-    """backend.kill "RANK:ITERATION:OPS" -> (rank, iteration, ops), "RANK:ITERATION:save" ->
-    (rank, iteration, "save"); None if malformed."""
+    """backend.kill "RANK:ITERATION:OPS" -> (rank, iteration, ops), "RANK:ITERATION:save" or
+    "RANK:ITERATION:recovery" -> (rank, iteration, that word); None if malformed."""
     parts = [p.strip() for p in str(text).split(":")]
-    if len(parts) != 3 or not all(p.isdigit() for p in parts[:2]) or not (parts[2].isdigit() or parts[2] == SAVE):
+    if len(parts) != 3 or not all(p.isdigit() for p in parts[:2]) or \
+            not (parts[2].isdigit() or parts[2] in (SAVE, RECOVERY)):
         return None
-    return int(parts[0]), int(parts[1]), parts[2] if parts[2] == SAVE else int(parts[2])
+    return int(parts[0]), int(parts[1]), parts[2] if parts[2] in (SAVE, RECOVERY) else int(parts[2])
 
 
 def job_nodes(cfg, cluster) -> int:

@@ -194,9 +194,12 @@ class DistTransport:
                     raise DistError(f"plan {plan.name!r}: worker {dst} takes the messages of worker {src} in "
                                     "another order than they are sent, which a backend matching messages by "
                                     "order (NCCL) cannot deliver")
+        # Ranks that died during a recovery still run workers of the plan it was heading for,
+        # until the strategy's next plan leaves them out: no group waits for them meanwhile.
+        alive = set(self.alive)
         for src, dst in sorted(sends):
             pair = (self.rank_of(src), self.rank_of(dst))
-            if pair not in self._pairs and self.rank in pair and pair[0] != pair[1]:
+            if pair not in self._pairs and self.rank in pair and pair[0] != pair[1] and set(pair) <= alive:
                 self._pairs[pair] = self._new_group(pair, f"from{pair[0]}to{pair[1]}")  # one per direction
         self.state_groups(redundant_pairs(plan))  # Bamboo's redundant copies are refreshed every iteration
         for sync in fragment_layout(plan.schedule.stages, plan.partition).syncs:
@@ -204,7 +207,7 @@ class DistTransport:
             if len(members) < 2:
                 continue
             ranks = tuple(sorted(self.rank_of(m) for m in members))
-            if ranks not in self._groups and self.rank in ranks:
+            if ranks not in self._groups and self.rank in ranks and set(ranks) <= alive:
                 self._groups[ranks] = self._new_group(ranks, "fragment")
         self._slots.clear()
         self._prepared = key
@@ -320,7 +323,7 @@ class DistTransport:
         a cycle); one group per unordered pair of ranks."""
         for src, dst in pairs:
             key = ("state",) + tuple(sorted((self.rank_of(src), self.rank_of(dst))))
-            if key not in self._pairs and self.rank in key[1:] and key[1] != key[2]:
+            if key not in self._pairs and self.rank in key[1:] and key[1] != key[2] and set(key[1:]) <= set(self.alive):
                 self._pairs[key] = self._new_group(key[1:], "state")
 
     def send_state(self, units, shard, src, dst) -> None:
