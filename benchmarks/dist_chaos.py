@@ -13,13 +13,16 @@ With `--unannounced`, nothing is scripted: a seeded random process dies after a 
 number of its ops of a seeded random iteration (`backend.kill`), and the survivors must notice,
 agree, roll back to the iteration's start and let the strategy recover (backend.unannounced).
 
-With `--during-recovery`, the scripted failure is followed by the death of another seeded
-random process (the standby included) while the recovery from it runs
+With `--during-recovery` (two standby nodes: 6 processes), the scripted failure is followed
+by the death of another seeded random process (a standby included) while the recovery from it runs
 (`backend.kill=RANK:ITERATION:recovery`): the survivors complete the recovery without it, then
 recover from its death.
 
     python benchmarks/dist_chaos.py [--trials 20] [--seed 0] [--strategies checkpoint,recycle,...]
-                                    [--unannounced | --during-recovery]
+                                    [--unannounced | --during-recovery | --mixed]
+
+`--mixed` draws each trial's kind from the seed; `tests/test_dist_chaos.py` runs it (20 trials
+per strategy, `python -m pytest -m chaos`).
 
 A trial takes 30 to 45 s on a 2-core machine (5 processes start, the run, then the fault-free
 reference on `local`).
@@ -70,7 +73,9 @@ def trial(strategy: str, node: int, iteration: int, folder: Path, ops: int | Non
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", FTBENCH_CHAOS=marker.split("=")[1])
     failure = (f"failures.events=[{{iteration:{iteration},node:{node}}}]" if ops is None else
                f"backend.kill={node}:{iteration}:{ops}")
-    during = () if also is None else (f"backend.kill={also}:{iteration}:recovery", "backend.timeout_s=10")
+    # a second death may need a second standby (checkpoint restart replaces every failed node)
+    during = () if also is None else (f"backend.kill={also}:{iteration}:recovery", "backend.timeout_s=10",
+                                      "cluster.spares=2")
     started = time.monotonic()
     try:
         subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", f"strategy={strategy}", *SETUP,
@@ -90,8 +95,9 @@ def trial(strategy: str, node: int, iteration: int, folder: Path, ops: int | Non
     except (OSError, ValueError) as err:
         return {**out, "status": f"no summary ({err})", "passed": False}
     events = [r["event"] for r in lines]
+    fails = events.count("fail")  # a death during a recovery is a second failure (if the run got that far)
     complete = events[:1] == ["start"] and events[-1:] == ["end"] and \
-        events.count("fail") == (1 if also is None or summary["status"] != "ok" else 2)
+        (fails == 1 if also is None else fails == 2 if summary["status"] == "ok" else fails in (1, 2))
     if summary["status"] == "ok":
         last = len(events) - 1 - events[::-1].index("recovery")
         restored = lines[last]["restored_iteration"]
@@ -104,6 +110,20 @@ def trial(strategy: str, node: int, iteration: int, folder: Path, ops: int | Non
             "measured": summary.get("measured_recoveries") or [], "error": summary.get("error")}
 
 
+MODES = ("scripted", "unannounced", "during-recovery")
+
+
+def draw(rng: random.Random, mode: str) -> tuple[str, int, int, int | None, int | None]:
+    """One trial's (mode, node, iteration, ops, also) from the seed's stream; `mode` "mixed"
+    draws one of MODES first."""
+    if mode == "mixed":
+        mode = rng.choice(MODES)
+    node, iteration = rng.randrange(4), rng.randrange(1, ITERATIONS - 1)
+    ops = rng.randrange(OPS) if mode == "unannounced" else None
+    also = rng.choice([r for r in range(6) if r != node]) if mode == "during-recovery" else None
+    return mode, node, iteration, ops, also
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20)
@@ -112,18 +132,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--unannounced", action="store_true", help="kill with backend.kill, nothing scripted")
     parser.add_argument("--during-recovery", action="store_true",
                         help="another process dies during the recovery from the scripted failure")
+    parser.add_argument("--mixed", action="store_true",
+                        help="each trial one of the three kinds above, drawn from the seed")
     args = parser.parse_args(argv)
+    mode = "mixed" if args.mixed else "unannounced" if args.unannounced else \
+        "during-recovery" if args.during_recovery else "scripted"
     rng = random.Random(args.seed)
     failed = 0
     print(f"{'strategy':<16} {'trial':>5} {'node':>4} {'iter':>4} {'status':<14} {'wall s':>7} "
           f"{'detect s':>8} {'agree s':>7} {'state s':>7} {'first it s':>10} {'passed':>6}"
-          + ("  also" if args.during_recovery else ""), flush=True)
+          + ("  also" if mode in ("during-recovery", "mixed") else ""), flush=True)
     for strategy in args.strategies.split(","):
         phases = []
         for i in range(args.trials):
-            node, iteration = rng.randrange(4), rng.randrange(1, ITERATIONS - 1)
-            ops = rng.randrange(OPS) if args.unannounced else None
-            also = rng.choice([r for r in range(5) if r != node]) if args.during_recovery else None
+            _, node, iteration, ops, also = draw(rng, mode)
             with tempfile.TemporaryDirectory() as tmp:
                 r = trial(strategy, node, iteration, Path(tmp) / "run", ops, also)
             m = r.get("measured") or [{}]

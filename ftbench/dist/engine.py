@@ -27,7 +27,7 @@ import time
 import torch
 
 from ftbench.actions import FILE, MEMORY, SNAPSHOT
-from ftbench.dist.transport import DistError, DistTransport, plan_crc
+from ftbench.dist.transport import DistError, DistTimeout, DistTransport, plan_crc
 from ftbench.engine.transport import ACT
 from ftbench.errors import ResultError
 from ftbench.engine.executor import WorkerExecutor, sync_members
@@ -550,20 +550,22 @@ class DistBackend:
         (FailuresDiscovered, with the iteration restored), as of a failure at the next
         iteration's start: the recovery completes, then the next failure strikes, as `sim`
         has it for a failure that falls during a recovery."""
-        from ftbench.loop import FailuresDiscovered
-
         if self.store is None or not self.recover or not actions:
             return self._perform(actions, old, new, iteration, {}, self._pending)
+        with self.engine.transport.watched():  # a death meanwhile ends a wait within seconds
+            return self._perform_again_if_interrupted(actions, old, new, iteration)
+
+    def _perform_again_if_interrupted(self, actions, old, new, iteration: int) -> int | None:
+        from ftbench.loop import FailuresDiscovered
+
         kept, phases, pending, lost, wasted = self.engine.keep(), {}, self._pending, [], 0.0
         while True:
             started = time.perf_counter()
             try:
                 restored = self._perform(actions, old, new, iteration, phases, pending, lost=lost)
                 break
-            except (DistError, RuntimeError) as err:
-                if isinstance(err, ResultError):
-                    raise
-                wasted += time.perf_counter() - started  # until a wait failed: up to backend.timeout_s
+            except (DistTimeout, RuntimeError) as err:  # a wait failed (other errors stand)
+                wasted += time.perf_counter() - started  # until a wait failed: a few seconds (watched waits)
                 nodes, record = self._lose(err, f"the recovery at iteration {iteration}")
                 lost.append(record)
                 self.engine.revert(kept)
@@ -674,6 +676,9 @@ class DistBackend:
         if self._dies_in_save(iteration):
             os.kill(os.getpid(), signal.SIGKILL)  # backend.kill=RANK:ITERATION:save
         try:
+            if self.store is not None and self.recover:
+                with self.engine.transport.watched():  # a death meanwhile ends a wait within seconds
+                    return self._save(plan, iteration, mode)
             return self._save(plan, iteration, mode)
         except (DistError, RuntimeError) as err:
             if self.store is None:

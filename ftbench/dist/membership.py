@@ -83,6 +83,30 @@ class MembershipError(RuntimeError):
     pass
 
 
+WATCH_STALE_S = 3 * STALE_S  # a watched wait gives up on a peer silent this long (no false alarm on a stall)
+
+
+class Liveness:
+    """Which ranks have stopped beating, from repeated looks at their counters (a watched wait
+    asks every WATCH_EVERY_S while it waits: ftbench.dist.transport)."""
+
+    def __init__(self, store, stale_s: float = WATCH_STALE_S):
+        self.store, self.stale_s = store, stale_s
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its beat, when that beat was first seen)
+
+    def silent(self, ranks) -> list[int]:
+        now = time.perf_counter()
+        out = []
+        for r in ranks:
+            beat = self.store.add(f"hb/{r}", 0)
+            seen = self._seen.get(r)
+            if seen is None or seen[0] != beat:
+                self._seen[r] = (beat, now)
+            elif now - seen[1] >= self.stale_s:
+                out.append(r)
+        return out
+
+
 def detect(store, members: list[int], deadline_s: float, stale_s: float = STALE_S) -> tuple[set[int], float]:
     """(the members that died, seconds it took to know): a member whose beat has not moved
     for `stale_s` is dead. A failure is expected, so this waits until some member is dead and

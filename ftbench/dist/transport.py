@@ -42,6 +42,7 @@ from ftbench.layers import GradientSync, fragment_layout
 from ftbench.schedule import B, BW, F, OPT, RSYNC, Op
 
 KIND_CODE = {ACT: 0, GRAD: 1}
+WATCH_EVERY_S = 0.25  # a watched wait looks at the peers' heartbeats this often
 MAX_DIMS = 4  # parameters have at most this many dimensions (GPT-2's have 1 or 2)
 
 
@@ -146,6 +147,12 @@ class DistTransport:
         self._state_sends: list = []  # (work, tensor, units, dst) of state copies in flight
         self._reductions: dict = {}  # sync -> (work, buffer(s), members, slots)
         self._prepared = None
+        # A watched collective (in recoveries and checkpoints, with heartbeats running) also
+        # gives up when a peer stops beating: a gloo collective waiting on a dead rank that is
+        # not its neighbour would otherwise wait out timeout_s. Point-to-point waits are never
+        # polled (gloo reports a closed connection at once, and its send/recv never say they
+        # completed), nor is anything in iterations (polling would cost time on every op).
+        self.liveness = None  # ftbench.dist.membership.Liveness while watched
 
     # -- ranks and groups ---------------------------------------------------------------
     def rank_of(self, worker: int) -> int:
@@ -213,8 +220,14 @@ class DistTransport:
         self._prepared = key
 
     # -- waits --------------------------------------------------------------------------
-    def _wait(self, work, what: str) -> None:
+    def watched(self):
+        """`with transport.watched():` waits inside also end when a peer stops beating."""
+        return _Watched(self)
+
+    def _wait(self, work, what: str, p2p: bool = False) -> None:
         me = f"worker {self.worker} (rank {self.rank})" if self.worker is not None else f"rank {self.rank}"
+        if self.liveness is not None and not p2p:  # gloo's send/recv never say they completed: not polled
+            self._watch(work, what, me)
         try:
             done = work.wait(timeout=self.timeout)
         except Exception as err:  # noqa: BLE001 - gloo and NCCL raise different types on a timeout
@@ -223,6 +236,26 @@ class DistTransport:
                               ) from None
         if done is False:
             raise DistTimeout(f"{me} waited more than {self.timeout_s:g} s (backend.timeout_s) to {what}: no answer")
+
+    def _watch(self, work, what: str, me: str) -> None:
+        """Poll `work` until it completes (then `_wait` takes its result), a peer stops beating
+        (DistError naming it) or the deadline passes (DistTimeout)."""
+        import time
+
+        started = time.perf_counter()
+        look, pause = started, 0.0002
+        while not work.is_completed():
+            now = time.perf_counter()
+            if now - started > self.timeout_s:
+                raise DistTimeout(f"{me} waited more than {self.timeout_s:g} s (backend.timeout_s) to {what}: "
+                                  "no answer")
+            if now >= look:
+                silent = self.liveness.silent([r for r in self.alive if r != self.rank])
+                if silent:
+                    raise DistTimeout(f"{me} stopped waiting to {what}: ranks {silent} stopped beating")
+                look = now + WATCH_EVERY_S
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.005)
 
     # -- point to point -----------------------------------------------------------------
     def send(self, key: Key, tensor: torch.Tensor, src: int, dst: int) -> None:
@@ -242,14 +275,15 @@ class DistTransport:
         buffer = torch.empty(self.message_shape, dtype=self.dtype, device=self.device)
         group = self._pairs[(s, d)]
         work = group.pg.recv([buffer], group.index(s), tag_of(key))
-        self._wait(work, f"receive {describe(key)} from worker {src} (rank {s})")
+        self._wait(work, f"receive {describe(key)} from worker {src} (rank {s})", p2p=True)
         return buffer
 
     def flush_sends(self) -> None:
         """Wait until every message this worker sent was taken (end of an iteration)."""
         sends, self._sends = self._sends, []
         for work, _, key, dst in sends:
-            self._wait(work, f"send {describe(key)} to worker {dst} (rank {self.rank_of(dst)}), which did not take it")
+            self._wait(work, f"send {describe(key)} to worker {dst} (rank {self.rank_of(dst)}), which did not take it",
+                       p2p=True)
 
     # -- gradient sums ------------------------------------------------------------------
     def reduce_start(self, sync: GradientSync, worker: int, members: tuple[int, ...], tensors: list) -> None:
@@ -340,15 +374,16 @@ class DistTransport:
         group = self._pairs[("state",) + tuple(sorted((s, d)))]
         what = f"receive the state of layer units {units} from worker {src} (rank {s})"
         size = torch.zeros(1, dtype=torch.int64)
-        self._wait(group.pg.recv([size], group.index(s), _state_tag(units)), what)
+        self._wait(group.pg.recv([size], group.index(s), _state_tag(units)), what, p2p=True)
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._wait(group.pg.recv([payload], group.index(s), _state_tag(units) + 1), what)
+        self._wait(group.pg.recv([payload], group.index(s), _state_tag(units) + 1), what, p2p=True)
         return _unpack(payload, self.device)
 
     def flush_state_sends(self) -> None:
         sends, self._state_sends = self._state_sends, []
         for work, _, units, dst in sends:
-            self._wait(work, f"send the state of layer units {units} to worker {dst}, which did not take it")
+            self._wait(work, f"send the state of layer units {units} to worker {dst}, which did not take it",
+                       p2p=True)
 
     # -- whole-job collectives --------------------------------------------------------------
     def all_sum(self, values: torch.Tensor, what: str) -> torch.Tensor:
@@ -375,6 +410,21 @@ class DistTransport:
         self._own.clear()
         self._sends.clear()
         self._reductions.clear()
+
+
+class _Watched:
+    def __init__(self, transport: DistTransport):
+        self.t = transport
+
+    def __enter__(self):
+        from ftbench.dist.membership import Liveness
+
+        self.t.liveness = Liveness(self.t.store)
+        return self.t
+
+    def __exit__(self, *exc):
+        self.t.liveness = None
+        return False
 
 
 class Group:
