@@ -380,6 +380,11 @@ def _on_cpu(obj):
     return to_device(obj, torch.device("cpu"))
 
 
+def _lost_nodes(records: list[dict]) -> list[int]:
+    """The nodes of `_lose`'s records (one node, or a list of them, each)."""
+    return sorted({n for r in records for n in (r["node"] if isinstance(r["node"], list) else [r["node"]])})
+
+
 class _CutTransport:
     """The transport of an iteration cut by a failure: a message whose consumer is not among
     the completed ops is never taken, so it is not sent."""
@@ -578,8 +583,7 @@ class DistBackend:
                   "agreement_s": sum(x["agreement_s"] for x in lost),
                   "new_group_s": sum(x["new_group_s"] for x in lost), "during_recovery": True}
         self._pending = merged
-        nodes = sorted({n for x in lost for n in (x["node"] if isinstance(x["node"], list) else [x["node"]])})
-        raise FailuresDiscovered(nodes, f"ranks {merged['dead_ranks']} stopped beating during the recovery",
+        raise FailuresDiscovered(_lost_nodes(lost), f"ranks {merged['dead_ranks']} stopped beating during the recovery",
                                  restored=restored)
 
     def _perform(self, actions, old, new, iteration: int, phases: dict, pending, lost=()) -> int | None:
@@ -590,7 +594,7 @@ class DistBackend:
         engine, restored = self.engine, None
         # replacements and returning nodes alike; not the nodes that died in this recovery (the
         # strategy decides about them next)
-        self._place(new, skip={n for x in lost for n in (x["node"] if isinstance(x["node"], list) else [x["node"]])})
+        self._place(new, skip=set(_lost_nodes(lost)))
         dies = self._dies_in_recovery(iteration)
         for action in actions:
             started = time.perf_counter()
