@@ -35,7 +35,7 @@ from ftbench.engine.worker import StageReplica, Worker
 from ftbench.layers import GradientSync, fragment_layout, model_layers, stage_units
 from ftbench.models.data import batch
 from ftbench.models.gpt import build_stage
-from ftbench.engine.local import fragment_writers, holding, load_shards, replica_units, to_device
+from ftbench.engine.local import covers, fragment_writers, holding, load_shards, replica_units, to_device
 from ftbench.recovery_costs import SaveCost
 from ftbench.schedule import F, OPT, RSYNC, Op, dependency_graph, topological_order
 
@@ -335,8 +335,7 @@ class DistEngine:
                 out.append(c)
                 continue
             units = stage_units(c.layers, c.embedding, c.head, n)
-            source = next((w for w, ranges in held if w != c.dst and any(lo <= units[0] and units[1] <= hi
-                                                                         for lo, hi in ranges)), None)
+            source = next((w for w, ranges in held if w != c.dst and any(covers(r, units) for r in ranges)), None)
             if source is None:
                 raise ResultError("unrecoverable", f"worker {c.src} died during the recovery while sending {c}, "
                                   "and no survivor holds those layers")

@@ -287,12 +287,13 @@ def holding(worker, units, n_layers: int):
     if worker is None or not worker.alive:
         return None
     for replica in worker.replicas.values():
-        if _covers(replica_units(replica, n_layers), units):
+        if covers(replica_units(replica, n_layers), units):
             return replica
     return None
 
 
-def _covers(outer, inner) -> bool:
+def covers(outer, inner) -> bool:
+    """Whether the unit range `outer` contains `inner`."""
     return outer[0] <= inner[0] and inner[1] <= outer[1]
 
 
