@@ -93,6 +93,7 @@ class BackendConfig:
     deadline_s: Optional[float] = None  # dist: deadline of the whole job, s; None: timeout_s x (iterations + 10)
     unannounced: str = "recover"  # dist: a death no failure script announced (a crash): recover | stop
     kill: Optional[str] = None  # dist, chaos tests: "RANK:ITERATION:OPS", that process dies unannounced there
+    stall: Optional[str] = None  # dist, chaos tests: "RANK:ITERATION:SECONDS", that process pauses in that recovery
     launcher: str = "self"  # dist: self (this machine) | torchrun (this process coordinates torchrun's ranks)
     store_port: int = 29500  # dist, launcher=torchrun: the port of the job's store this process hosts
 

@@ -130,6 +130,8 @@ def test_failures_dist_cannot_place_are_refused(tmp_path):
     ("backend.kill=3:2", "'3:2' is not RANK:ITERATION:OPS"),
     ("backend.kill=1:50:0", "iteration 50 is past the run's"),
     ("backend.unannounced=ignore", "unknown mode 'ignore'"),
+    ("backend.stall=0:2:soon", "'0:2:soon' is not RANK:ITERATION:SECONDS"),
+    ("backend.stall=0:50:3", "iteration 50 is past the run's"),
 ])
 def test_bad_unannounced_settings_are_refused(tmp_path, override, message):
     summary = run(tmp_path, "backend=dist", "model=gpt-tiny", override)
@@ -144,6 +146,52 @@ def test_kill_points():
     assert parse_kill("3:2:save") == (3, 2, "save")
     assert parse_kill("4:3:recovery") == (4, 3, "recovery")
     assert parse_kill("4:3:restart") is None and parse_kill("4:recovery") is None
+
+
+def test_stall_points():
+    from ftbench.dist.launch import parse_stall
+
+    assert parse_stall("0:3:12") == (0, 3, 12.0) and parse_stall("2:1:0.5") == (2, 1, 0.5)
+    assert parse_stall("0:3:0") is None and parse_stall("0:3") is None and parse_stall("a:3:1") is None
+
+
+@pytest.fixture
+def store():
+    from datetime import timedelta
+
+    from ftbench.dist.launch import free_port
+
+    server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=5))
+    yield dist.PrefixStore("test/", server)
+
+
+def test_the_first_dead_set_posted_is_the_epochs_verdict(store):
+    """Two groups of survivors that each saw the other silent (a stall, not a death): the
+    first to post decides; a rank it names is fenced, and any other view is refused."""
+    from ftbench.dist.membership import Fenced, MembershipError, agree
+
+    assert agree(store, 1, 0, [0], {1, 4, 5}, 2.0) >= 0  # rank 0 first: 1, 4 and 5 are dead
+    with pytest.raises(Fenced, match=r"rank 1 is dead in the verdict of membership epoch 1 \(\[1, 4, 5\]\)"):
+        agree(store, 1, 1, [1, 4, 5], {0}, 2.0)
+    with pytest.raises(MembershipError, match=r"the verdict is \[1, 4, 5\], rank 2 saw \[4\]"):
+        agree(store, 1, 2, [0, 2], {4}, 2.0)
+    assert agree(store, 2, 1, [1], {0}, 2.0) >= 0  # the next epoch has its own verdict
+
+
+def test_agreement_waits_for_every_survivors_view(store):
+    from ftbench.dist.membership import MembershipError, agree
+
+    with pytest.raises(MembershipError, match=r"ranks \[2\] posted no view of membership epoch 1"):
+        agree(store, 1, 0, [0, 2], {1}, 0.5)
+
+
+def test_a_rank_that_stops_with_an_error_says_so(store):
+    from ftbench.dist.membership import aborted, post_abort
+
+    post_abort(store, 3, "DistTimeout: rank 3 waited more than 6 s")
+    assert aborted(store, [1, 2, 3]) == {3: "DistTimeout: rank 3 waited more than 6 s"}
+    assert aborted(store, [1, 2]) == {}
 
 
 def _silent_peer(timeout_s: float, error_dir: str) -> None:

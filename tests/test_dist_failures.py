@@ -226,3 +226,38 @@ def test_a_seeded_random_unannounced_death(tmp_path, strategy):
                               f"backend.kill={rank}:{iteration}:{ops}", "backend.timeout_s=20", *extra)
     _assert_complete(summary, lines, rank, iteration)
     _assert_measured(summary, [rank])
+
+
+def test_a_straggler_in_a_recovery_is_waited_for(tmp_path):
+    """Rank 0 pauses 3 s as the recovery starts (backend.stall), beating all along: its peers
+    wait for it, within backend.timeout_s, and training equals fault-free training."""
+    summary, lines = run_dist(tmp_path, "strategy=recycle", "cluster.gpus_per_node=1",
+                              "failures.events=[{iteration:2,node:1}]", "backend.stall=0:2:3", "backend.timeout_s=10")
+    _assert_complete(summary, lines, 1, 2)
+    assert summary["recoveries"][0]["recovery_s"] >= 3
+
+
+def test_a_straggler_past_the_deadline_stops_every_rank_with_its_error(tmp_path):
+    """Rank 0 pauses 14 s in the recovery, past backend.timeout_s=6: its peers' waits fail with
+    nobody dead, and that error ends the job on every rank, rank 0 included (it finds the
+    others gone and reads why), instead of rank 0 recovering from their "deaths" alone.
+    The chaos test found this as a split brain, a CBC solve that hung 10 s on one rank."""
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", FTBENCH_TEST_MARKER=marker)
+    subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", *SETUP, "strategy=recycle",
+                    "cluster.gpus_per_node=1", "failures.events=[{iteration:2,node:1}]", "backend.stall=0:2:14",
+                    "backend.timeout_s=6", f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
+                   text=True, timeout=300)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "error", summary
+    assert "waited more than 6 s (backend.timeout_s)" in summary["error"], summary["error"]
+    assert "recovery at iteration 2" in summary["error"] or "process group" in summary["error"], summary["error"]
+    events = [json.loads(x)["event"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "unrecoverable" not in events and events.count("fail") == 1 and events[-1] == "error"
+    logs = "".join(p.read_text() for p in (tmp_path / "dist" / "logs").rglob("stderr.log"))
+    assert "rank 0: pauses 14 s (backend.stall)" in logs
+    assert "rank 0: stops the job: DistAbort" in logs and "stopped the job" in logs
+    deadline = time.monotonic() + 10
+    while processes_with(f"FTBENCH_TEST_MARKER={marker}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with(f"FTBENCH_TEST_MARKER={marker}") == [], "processes left behind"

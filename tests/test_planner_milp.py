@@ -182,3 +182,14 @@ def test_milp_optimum_is_never_slower_than_the_heuristic(failed, decoupled):
     result = solve(problem, time_limit_s=20)
     assert result.status == "optimal"
     assert result.makespan <= heuristic * (1 + 1e-9)
+
+
+def test_cbc_runs_without_its_threaded_search():
+    """CBC 2.10 asked for `-threads 1` runs its threaded branch and bound, whose main thread
+    sometimes waits for a worker that never starts until the time limit (coin-or/Cbc#640):
+    Oobleck's 3-variable batch split took the full 10 s in about 1 solve in 300. On `dist`
+    that made one rank 10 s late into a recovery. Without the option CBC searches in one
+    thread, as deterministically."""
+    from ftbench.planning.milp import _cbc
+
+    assert "threads" not in _cbc(10.0, None).optionsDict

@@ -27,7 +27,8 @@ import time
 import torch
 
 from ftbench.actions import FILE, MEMORY, SNAPSHOT
-from ftbench.dist.transport import DistError, DistTimeout, DistTransport, plan_crc
+from ftbench.dist.membership import log
+from ftbench.dist.transport import DistAbort, DistError, DistTimeout, DistTransport, plan_crc
 from ftbench.engine.transport import ACT
 from ftbench.errors import ResultError
 from ftbench.engine.executor import WorkerExecutor, sync_members
@@ -171,7 +172,7 @@ class DistEngine:
                 and isinstance(self.kill[2], int) else None
             for done, step in enumerate(steps):
                 if done == dies_after:
-                    os.kill(os.getpid(), signal.SIGKILL)  # backend.kill: a death the run loop was not told of
+                    _die("backend.kill: unannounced, among its ops (the run loop was not told)")
                 if step[0] == "start":
                     executor.reduce_start(step[1], members[step[1]])
                     continue
@@ -182,7 +183,7 @@ class DistEngine:
                 if share is not None:
                     vector[slots[op]] = share
             if dies_after is not None:
-                os.kill(os.getpid(), signal.SIGKILL)  # backend.kill past this worker's last op: here
+                _die("backend.kill: unannounced, past this worker's last op of the iteration")
             self.transport.flush_sends()
             self.transport.flush_state_sends()  # redundant copies' refreshes (Bamboo)
             self._track_memory()
@@ -374,6 +375,14 @@ class DistEngine:
         return state
 
 
+def _die(why: str) -> None:
+    """This process dies here, as a crashed machine's would (SIGKILL: nothing runs after)."""
+    log.info("dies: %s", why)
+    for handler in log.handlers:
+        handler.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _on_cpu(obj):
     """A shard with its tensors in host memory (what crosses processes as a pickled object)."""
     return to_device(obj, torch.device("cpu"))
@@ -425,8 +434,9 @@ class DistBackend:
     cuts_ops = True
 
     def __init__(self, engine: DistEngine, gpus_per_node: int = 1, active_nodes: int | None = None,
-                 membership_store=None, realtime: bool = True, recover: bool = False):
+                 membership_store=None, realtime: bool = True, recover: bool = False, stall=None):
         self.engine = engine
+        self.stall = stall  # backend.stall: (rank, iteration, seconds) where this job's chaos test pauses
         self.recover = recover  # backend.unannounced=recover (with the membership store)
         self._measured_persist = False
         self._peaks: dict[int, float] = {}
@@ -460,7 +470,7 @@ class DistBackend:
         return loss
 
     def strike(self, plan, iteration, completed, dead_workers) -> None:
-        from ftbench.dist.membership import MembershipError, agree, detect
+        from ftbench.dist.membership import Fenced, MembershipError, agree, detect
 
         engine, t = self.engine, self.engine.transport
         if self.store is None:
@@ -472,7 +482,7 @@ class DistBackend:
         if completed:
             engine.run_iteration(plan, iteration, completed=completed)
         if t.rank in victims:
-            os.kill(os.getpid(), signal.SIGKILL)  # this node fails here: every process of it
+            _die("its node fails here (the failure script): every process of it")
         struck = time.perf_counter()
         engine.abandon_iteration()
         try:
@@ -482,6 +492,8 @@ class DistBackend:
                                       f"{sorted(dead)}")
             survivors = [r for r in t.alive if r not in dead]
             agree_s = agree(self.store, t.epoch + 1, t.rank, survivors, dead, t.timeout_s)
+        except Fenced as err:
+            _die(str(err))
         except MembershipError as err:
             raise DistError(f"rank {t.rank}: {err}") from None
         started = time.perf_counter()
@@ -510,29 +522,36 @@ class DistBackend:
         """A wait failed in `where`: find who died (else `err` stands), stop the rest of their
         nodes, agree among the survivors, call `before_regroup`, and continue in a new process
         group without them. (the dead nodes, the measured phases)."""
-        from ftbench.dist.membership import MembershipError, agree, detect
+        from ftbench.dist.membership import Fenced, MembershipError, aborted, agree, detect
 
         t = self.engine.transport
         struck = time.perf_counter()
+        log.info("a wait failed in %s: %s", where, str(err).splitlines()[0] if str(err) else type(err).__name__)
         try:
             # The peers of a dead rank fail at once; ranks waiting on those peers only at their
             # own deadline: allow for both before giving up on agreement.
             dead, detect_s = detect(self.store, t.alive, t.timeout_s)
         except MembershipError:
             raise err from None  # nobody died: the wait's own error
+        stopped = aborted(self.store, sorted(dead))
+        if stopped:  # they did not fail: they ended the job with an error, which stands here too
+            raise DistAbort(f"rank {t.rank}: " + "; ".join(f"rank {r} stopped the job: {why}"
+                                                           for r, why in stopped.items())) from None
         nodes = sorted({self.node_of_rank[r] for r in dead})
         if not self.recover:
             raise DistError(f"rank {t.rank}: ranks {sorted(dead)} (nodes {nodes}) died in {where}, "
                             "and no failure was scripted there (backend.unannounced=stop)") from None
         victims = {r for r, n in self.node_of_rank.items() if n in nodes and r in t.alive}
         if t.rank in victims:
-            os.kill(os.getpid(), signal.SIGKILL)  # a node fails whole: its other processes too
+            _die("a process of its node died: the node fails whole")
         try:
             while victims - dead:  # the rest of those nodes stops once it notices too
                 more, more_s = detect(self.store, sorted(victims - dead), 2 * t.timeout_s)
                 dead, detect_s = dead | more, detect_s + more_s
             survivors = [r for r in t.alive if r not in victims]
             agree_s = agree(self.store, t.epoch + 1, t.rank, survivors, victims, 3 * t.timeout_s)
+        except Fenced as error:
+            _die(str(error))
         except MembershipError as error:
             raise DistError(f"rank {t.rank}: {error}") from None
         if before_regroup is not None:
@@ -554,6 +573,12 @@ class DistBackend:
         (FailuresDiscovered, with the iteration restored), as of a failure at the next
         iteration's start: the recovery completes, then the next failure strikes, as `sim`
         has it for a failure that falls during a recovery."""
+        log.info("recovery at iteration %d: %s onto plan %s (crc %08x)", iteration,
+                 [type(a).__name__ for a in actions], new.name, plan_crc(new))
+        if self.stall and self.stall[:2] == (self.engine.rank, iteration):
+            self.stall, seconds = None, self.stall[2]  # once: a straggler, beating all along
+            log.info("pauses %g s (backend.stall)", seconds)
+            time.sleep(seconds)
         if self.store is None or not self.recover or not actions:
             return self._perform(actions, old, new, iteration, {}, self._pending)
         with self.engine.transport.watched():  # a death meanwhile ends a wait within seconds
@@ -570,9 +595,13 @@ class DistBackend:
                 break
             except (DistTimeout, RuntimeError) as err:  # a wait failed (other errors stand)
                 wasted += time.perf_counter() - started  # until a wait failed: a few seconds (watched waits)
-                nodes, record = self._lose(err, f"the recovery at iteration {iteration}")
+                try:
+                    nodes, record = self._lose(err, f"the recovery at iteration {iteration}")
+                except DistError as standing:  # nobody died: the job stops here, not as this rank's result
+                    raise DistAbort(str(standing)) from None
                 lost.append(record)
                 self.engine.revert(kept)
+                log.info("the recovery at iteration %d runs again without ranks %s", iteration, record["dead_ranks"])
         if not lost:
             return restored
         self.recoveries[-1].update(interrupted_by=[r["dead_ranks"] for r in lost], interrupted_s=wasted)
@@ -600,7 +629,7 @@ class DistBackend:
             if isinstance(action, (WaitForReplacement, Rendezvous)) and lost:
                 continue  # waited for, or agreed, in the interrupted attempt
             if dies and not isinstance(action, (WaitForReplacement, Rendezvous)):
-                os.kill(os.getpid(), signal.SIGKILL)  # backend.kill=RANK:ITERATION:recovery
+                _die("backend.kill=RANK:ITERATION:recovery, as the recovery moves state")
             if isinstance(action, WaitForReplacement):
                 if self.realtime and action.seconds:
                     time.sleep(action.seconds)
@@ -627,7 +656,7 @@ class DistBackend:
                 raise TypeError(f"the dist backend cannot perform {action!r}")
             phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
         if dies:
-            os.kill(os.getpid(), signal.SIGKILL)  # no action moved state: the death strikes at the end
+            _die("backend.kill=RANK:ITERATION:recovery, at the end (no action moved state)")
         engine.adopt(new)
         if actions:  # every live rank completed it, or none goes on (a death meanwhile interrupts it)
             engine.transport.all_sum(torch.zeros(1, dtype=torch.float64, device=engine.device),
@@ -677,7 +706,7 @@ class DistBackend:
         iteration before the checkpoint is complete, and a checkpoint left unfinished does
         not verify, so no restore takes it."""
         if self._dies_in_save(iteration):
-            os.kill(os.getpid(), signal.SIGKILL)  # backend.kill=RANK:ITERATION:save
+            _die("backend.kill=RANK:ITERATION:save")
         try:
             if self.store is not None and self.recover:
                 with self.engine.transport.watched():  # a death meanwhile ends a wait within seconds

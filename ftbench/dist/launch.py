@@ -80,6 +80,16 @@ def check_config(cfg, strategy, clock: str) -> None:
         if parsed[1] >= cfg.train.iterations:
             raise ConfigError("backend.kill", f"iteration {parsed[1]} is past the run's {cfg.train.iterations} "
                               "iterations", "pick an iteration the run reaches")
+    stall = cfg.backend.get("stall")
+    if stall is not None:
+        parsed = parse_stall(stall)
+        if parsed is None:
+            raise ConfigError("backend.stall", f"'{stall}' is not RANK:ITERATION:SECONDS",
+                              "give two whole numbers and a positive number of seconds, e.g. backend.stall=0:3:12 "
+                              "(rank 0 pauses 12 s as the recovery performed at iteration 3 starts)")
+        if parsed[1] >= cfg.train.iterations:
+            raise ConfigError("backend.stall", f"iteration {parsed[1]} is past the run's {cfg.train.iterations} "
+                              "iterations", "pick an iteration the run reaches")
     d = cfg.backend.get("deadline_s")
     if d is not None and not d > 0:
         raise ConfigError("backend.deadline_s", f"must be a positive number of seconds or null, got {d}",
@@ -111,6 +121,18 @@ def parse_kill(text) -> tuple[int, int, int | str] | None:
             not (parts[2].isdigit() or parts[2] in (SAVE, RECOVERY)):
         return None
     return int(parts[0]), int(parts[1]), parts[2] if parts[2] in (SAVE, RECOVERY) else int(parts[2])
+
+
+def parse_stall(text) -> tuple[int, int, float] | None:
+    """backend.stall "RANK:ITERATION:SECONDS" -> (rank, iteration, seconds); None if malformed."""
+    parts = [p.strip() for p in str(text).split(":")]
+    if len(parts) != 3 or not all(p.isdigit() for p in parts[:2]):
+        return None
+    try:
+        seconds = float(parts[2])
+    except ValueError:
+        return None
+    return (int(parts[0]), int(parts[1]), seconds) if seconds > 0 else None
 
 
 def job_nodes(cfg, cluster) -> int:

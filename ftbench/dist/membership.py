@@ -4,10 +4,14 @@ Every process of the job beats a counter in the job's TCPStore (the rendezvous s
 the launcher hosts, so it outlives any node) from a thread of its own. After a failure the
 survivors *detect* it: a member whose counter stops moving for `stale_s` is dead, one whose
 counter moves is alive; every member is classified within the deadline or the job stops
-with an error. Then they *agree*: each survivor posts the dead set it saw under the new
-membership epoch and reads everyone else's; all must be equal. Only then do they build the
-process group of the new epoch (torch's own `new_group` with local synchronisation, so the
-dead never need to answer), on which everything after runs.
+with an error. Then they *agree*: the first dead set posted for the new membership epoch
+is its verdict (a live rank it names stops: fenced, as a failed one), and each survivor
+posts the dead set it saw and reads everyone else's; all must be equal. Only then do they
+build the process groups of the new epoch (torch's own gloo or NCCL groups on a prefix of
+the store named by the epoch, so the dead never need to answer), on which everything after
+runs. A rank
+that stops with an error rather than dying says so first (`post_abort`): whoever then finds
+it silent stops the job too, instead of recovering from a failure that did not happen.
 
 This is the small part a reconfigurable process group needs on top of torch.distributed;
 torchft packages the same idea (a quorum, then `configure()` of a fresh group per
@@ -16,10 +20,28 @@ membership) but brings a Rust lighthouse and a package outside this project's de
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 import threading
 import time
 from datetime import timedelta
+
+# Each rank's membership decisions (what it detected, agreed, regrouped, and its heartbeat's
+# stalls), timestamped on its stderr: the launcher keeps it per node under dist/logs, where a
+# run that went wrong is read afterwards.
+log = logging.getLogger("ftbench.dist")
+
+
+def log_to_stderr(rank: int) -> None:
+    """Send this process's membership log to its stderr, each line naming the rank."""
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s ftbench rank {rank}: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 HEARTBEAT_S = 0.05  # between beats
 STALE_S = 2.0  # a member whose beat has not moved this long is dead (threads of a busy machine stall ~1 s)
@@ -69,11 +91,21 @@ class Heartbeat:
         return self
 
     def _run(self) -> None:
+        last, refused = time.perf_counter(), 0
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self.store.add(f"hb/{self.rank}", 1)
-            except Exception:  # noqa: BLE001 - the store went away: the job is ending
-                return
+            except Exception as err:  # noqa: BLE001 - a slow store, or it went away as the job ends
+                # Keep beating: a thread that gave up here would read as a dead process.
+                if not refused:
+                    log.warning("heartbeat: the store refused a beat (%s: %s)", type(err).__name__, err)
+                refused += 1
+                continue
+            now = time.perf_counter()
+            if now - last > STALE_S / 2:  # what a peer's detection would see as silence
+                log.warning("heartbeat: %.2f s between two beats%s", now - last,
+                            f" ({refused} refused)" if refused else "")
+            last, refused = now, 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -81,6 +113,23 @@ class Heartbeat:
 
 class MembershipError(RuntimeError):
     pass
+
+
+class Fenced(MembershipError):
+    """This rank is in the dead set another survivor posted first for the new epoch: it was
+    silent too long for them, so it must stop as a failed process would (it cannot rejoin
+    an epoch built without it)."""
+
+
+def post_abort(store, rank: int, why: str) -> None:
+    """Tell the job that this rank stops with an error (not a failure): whoever then finds it
+    silent stops the job too instead of recovering from it (ftbench.dist.engine)."""
+    store.set(f"abort/{rank}", why)
+
+
+def aborted(store, ranks) -> dict[int, str]:
+    """The ranks among `ranks` that stopped with an error, and the error."""
+    return {r: store.get(f"abort/{r}").decode(errors="replace") for r in ranks if store.check([f"abort/{r}"])}
 
 
 WATCH_STALE_S = 3 * STALE_S  # a watched wait gives up on a peer silent this long (no false alarm on a stall)
@@ -127,6 +176,9 @@ def detect(store, members: list[int], deadline_s: float, stale_s: float = STALE_
         if seen != dead:
             dead, settled = seen, now
         if dead and now - settled >= SETTLE_S:
+            log.info("detect: ranks %s silent (their last beats %s s ago; the others' %s s ago)", sorted(dead),
+                     [round(now - moved[r], 2) for r in sorted(dead)],
+                     [round(now - moved[r], 2) for r in members if r not in dead])
             return dead, now - started
         if now - started > deadline_s:
             raise MembershipError(f"no process stopped beating within {deadline_s:g} s after the failure point"
@@ -138,6 +190,15 @@ def agree(store, epoch: int, rank: int, survivors: list[int], dead: set[int], de
     """Post this rank's view of epoch `epoch` (the dead set) and check every survivor's is the
     same; seconds it took. Raises MembershipError naming who saw what otherwise."""
     started = time.perf_counter()
+    # The first dead set posted for the epoch is its verdict: two groups of survivors that
+    # each saw the other silent (a stall, not a death) cannot both go on.
+    verdict = json.loads(store.compare_set(f"verdict/{epoch}", "", json.dumps(sorted(dead))))
+    if verdict != sorted(dead):
+        if rank in verdict:
+            raise Fenced(f"rank {rank} is dead in the verdict of membership epoch {epoch} ({verdict}), "
+                         f"though it saw {sorted(dead)} dead: its heartbeat was silent too long")
+        raise MembershipError(f"the survivors disagree on who failed in membership epoch {epoch}: the verdict "
+                              f"is {verdict}, rank {rank} saw {sorted(dead)}")
     store.set(f"view/{epoch}/{rank}", json.dumps(sorted(dead)))
     keys = [f"view/{epoch}/{r}" for r in survivors]
     try:
@@ -147,6 +208,7 @@ def agree(store, epoch: int, rank: int, survivors: list[int], dead: set[int], de
         raise MembershipError(f"ranks {missing} posted no view of membership epoch {epoch} within {deadline_s:g} s "
                               f"({type(err).__name__})") from None
     views = {r: json.loads(store.get(k)) for r, k in zip(survivors, keys)}
+    log.info("agree: epoch %d, ranks %s saw %s", epoch, survivors, sorted(dead))
     if any(v != sorted(dead) for v in views.values()):
         raise MembershipError(f"the survivors disagree on who failed in membership epoch {epoch}: "
                               + ", ".join(f"rank {r} saw {v}" for r, v in sorted(views.items())))

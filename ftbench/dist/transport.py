@@ -36,6 +36,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from ftbench.dist.membership import log
 from ftbench.engine.transport import ACT, GRAD, Key
 from ftbench.errors import UserError
 from ftbench.layers import GradientSync, fragment_layout
@@ -52,6 +53,13 @@ class DistError(UserError):
 
 class DistTimeout(DistError):
     """A wait that ran past `backend.timeout_s`: names the waiting worker, the peer and the op."""
+
+
+class DistAbort(RuntimeError):
+    """The job stops on every rank: a wait of a recovery failed and no process had died, or a
+    rank that stopped with an error (not a failure) is missing. Not a run result (the run
+    loop turns UserErrors of a recovery into a status on the rank that raised them): the
+    launcher reports the job's earliest error, the root cause."""
 
 
 def tag_of(key: Key) -> int:
@@ -173,13 +181,20 @@ class DistTransport:
         name, and ranks outside it, dead ones included, never need to answer)."""
         ranks = tuple(sorted(ranks))
         prefix = f"pg/{self.epoch}/{name}/{'-'.join(map(str, ranks))}/"
-        return Group(self.store, prefix, ranks, self.rank, self.timeout, self.device)
+        try:
+            return Group(self.store, prefix, ranks, self.rank, self.timeout, self.device)
+        except RuntimeError as err:  # a member that never joined: the store's wait, or gloo's connect, timed out
+            raise DistTimeout(f"rank {self.rank} waited more than {self.timeout_s:g} s (backend.timeout_s) to build "
+                              f"the process group '{name}' of ranks {list(ranks)} (membership epoch {self.epoch}): "
+                              f"no answer ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                              ) from None
 
     def regroup(self, alive: list[int]) -> None:
         """Continue with the ranks `alive` (every one of them calls this at the same point): a
         new epoch with its own groups; messages and sums in flight are dropped with the old ones."""
         self.alive = sorted(alive)
         self.epoch += 1
+        log.info("regroup: epoch %d, ranks %s", self.epoch, self.alive)
         self.clear()
         self._pairs.clear()
         self._groups.clear()

@@ -147,8 +147,9 @@ def train(job: dict, log=None) -> dict | None:
     from ftbench.dist.launch import heartbeats
 
     if heartbeats(cfg):  # the survivors of a failure tell the dead by their silent beat
-        from ftbench.dist.membership import Heartbeat
+        from ftbench.dist.membership import Heartbeat, log_to_stderr
 
+        log_to_stderr(rank)  # its membership decisions, kept per node under dist/logs
         heartbeat = Heartbeat(rank, float(cfg.backend.timeout_s)).start()
     try:
         result = _train(cfg, ctx, job, leader_log, rank, world, device, pg_backend, threads, heartbeat)
@@ -158,6 +159,10 @@ def train(job: dict, log=None) -> dict | None:
             import pickle
 
             heartbeat.store.set(RESULT_KEY, pickle.dumps(result))
+    except BaseException as err:
+        if heartbeat is not None:  # an error, not a failure: the others must stop too, not recover
+            _post_abort(heartbeat, rank, err)
+        raise
     finally:
         # A failed rank leaves at once: its peers' waits end at their deadlines (or the
         # launcher stops them); tearing the groups down here could block on a dead peer.
@@ -167,6 +172,17 @@ def train(job: dict, log=None) -> dict | None:
     if heartbeat is None:
         dist.destroy_process_group()
     return result
+
+
+def _post_abort(heartbeat, rank: int, err: BaseException) -> None:
+    from ftbench.dist.membership import log, post_abort
+
+    why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    log.info("stops the job: %s", why)
+    try:
+        post_abort(heartbeat.store, rank, why)
+    except Exception:  # noqa: BLE001 - the store is gone: the job is over anyway
+        pass
 
 
 class _LeaderLog:
@@ -206,7 +222,7 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     from ftbench.checkpoint import CheckpointStore
     from ftbench.cluster import Cluster
     from ftbench.dist.engine import DistBackend, DistEngine
-    from ftbench.dist.launch import parse_kill
+    from ftbench.dist.launch import parse_kill, parse_stall
     from ftbench.dist.transport import DistTransport
     from ftbench.engine.local import DTYPES
     from ftbench.failures import build_failure_script
@@ -243,7 +259,8 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
         from ftbench.dist.membership import job_store
 
         membership = job_store(float(cfg.backend.timeout_s))  # the heartbeat thread keeps its own client
-    backend = DistBackend(engine, cluster.gpus_per_node, cluster.nodes, membership, recover=recover)
+    stall = parse_stall(cfg.backend.stall) if cfg.backend.get("stall") is not None else None
+    backend = DistBackend(engine, cluster.gpus_per_node, cluster.nodes, membership, recover=recover, stall=stall)
     outcome = run_loop(ctx, strategy, cluster, script, backend, timelines, log, None, clock=clock)
     state = engine.gather_final_state() if outcome.status == "ok" else None
     if rank != transport.leader:

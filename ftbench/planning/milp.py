@@ -436,7 +436,7 @@ def _cbc(time_limit_s: float, log_path: str | None):
     path = getattr(pulp.PULP_CBC_CMD, "pulp_cbc_path", None)
     if path is None or not os.path.exists(path):
         path = None  # a CBC on PATH (pulp[cbc])
-    return pulp.COIN_CMD(path=path, msg=False, timeLimit=time_limit_s, warmStart=True, threads=1, logPath=log_path)
+    return pulp.COIN_CMD(path=path, msg=False, timeLimit=time_limit_s, warmStart=True, logPath=log_path)
 
 
 def _parse_bound(log: str) -> float:
