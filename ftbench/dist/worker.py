@@ -160,7 +160,7 @@ def train(job: dict, log=None) -> dict | None:
 
             heartbeat.store.set(RESULT_KEY, pickle.dumps(result))
     except BaseException as err:
-        if heartbeat is not None:  # an error, not a failure: the others must stop too, not recover
+        if heartbeat is not None and not _signalled(err):  # an error, not a failure: the others stop too
             _post_abort(heartbeat, rank, err)
         raise
     finally:
@@ -172,6 +172,14 @@ def train(job: dict, log=None) -> dict | None:
     if heartbeat is None:
         dist.destroy_process_group()
     return result
+
+
+def _signalled(err: BaseException) -> bool:
+    """Whether this process was stopped from outside (its agent's SIGTERM when a process of its
+    node died, the launcher's, Ctrl-C): its node is failing or the job ending, not an error."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return isinstance(err, (SignalException, KeyboardInterrupt, SystemExit))
 
 
 def _post_abort(heartbeat, rank: int, err: BaseException) -> None:
