@@ -9,9 +9,9 @@ is its verdict (a live rank it names stops: fenced, as a failed one), and each s
 posts the dead set it saw and reads everyone else's; all must be equal. Only then do they
 build the process groups of the new epoch (torch's own gloo or NCCL groups on a prefix of
 the store named by the epoch, so the dead never need to answer), on which everything after
-runs. A rank
-that stops with an error rather than dying says so first (`post_abort`): whoever then finds
-it silent stops the job too, instead of recovering from a failure that did not happen.
+runs. A rank that stops with an error rather than dying says so first (`post_abort`):
+whoever then finds it silent stops the job too, instead of recovering from a failure that
+did not happen.
 
 This is the small part a reconfigurable process group needs on top of torch.distributed;
 torchft packages the same idea (a quorum, then `configure()` of a fresh group per
