@@ -28,7 +28,7 @@ import torch
 
 from ftbench.actions import FILE, MEMORY, SNAPSHOT
 from ftbench.dist.membership import log
-from ftbench.dist.transport import DistAbort, DistError, DistTimeout, DistTransport, plan_crc
+from ftbench.dist.transport import DistAbort, DistError, DistTimeout, DistTransport, describe_error, plan_crc
 from ftbench.engine.transport import ACT
 from ftbench.errors import ResultError
 from ftbench.engine.executor import WorkerExecutor, sync_members
@@ -526,7 +526,7 @@ class DistBackend:
 
         t = self.engine.transport
         struck = time.perf_counter()
-        log.info("a wait failed in %s: %s", where, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        log.info("a wait failed in %s: %s", where, describe_error(err))
         try:
             # The peers of a dead rank fail at once; ranks waiting on those peers only at their
             # own deadline: allow for both before giving up on agreement.

@@ -62,6 +62,12 @@ class DistAbort(RuntimeError):
     launcher reports the job's earliest error, the root cause."""
 
 
+def describe_error(err: BaseException) -> str:
+    """An exception as one line: its type and its message's first line (gloo's run on)."""
+    text = str(err)
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def tag_of(key: Key) -> int:
     """A point-to-point tag unique per message key within an iteration (gloo matches on it)."""
     kind, pipeline, stage, microbatch = key
@@ -186,7 +192,7 @@ class DistTransport:
         except RuntimeError as err:  # a member that never joined: the store's wait, or gloo's connect, timed out
             raise DistTimeout(f"rank {self.rank} waited more than {self.timeout_s:g} s (backend.timeout_s) to build "
                               f"the process group '{name}' of ranks {list(ranks)} (membership epoch {self.epoch}): "
-                              f"no answer ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                              f"no answer ({describe_error(err)})"
                               ) from None
 
     def regroup(self, alive: list[int]) -> None:
@@ -247,7 +253,7 @@ class DistTransport:
             done = work.wait(timeout=self.timeout)
         except Exception as err:  # noqa: BLE001 - gloo and NCCL raise different types on a timeout
             raise DistTimeout(f"{me} waited more than {self.timeout_s:g} s (backend.timeout_s) to {what}: "
-                              f"no answer ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                              f"no answer ({describe_error(err)})"
                               ) from None
         if done is False:
             raise DistTimeout(f"{me} waited more than {self.timeout_s:g} s (backend.timeout_s) to {what}: no answer")

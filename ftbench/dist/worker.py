@@ -184,8 +184,9 @@ def _signalled(err: BaseException) -> bool:
 
 def _post_abort(heartbeat, rank: int, err: BaseException) -> None:
     from ftbench.dist.membership import log, post_abort
+    from ftbench.dist.transport import describe_error
 
-    why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    why = describe_error(err)
     log.info("stops the job: %s", why)
     try:
         post_abort(heartbeat.store, rank, why)
