@@ -92,7 +92,13 @@ _register_help_resolver()
 
 def compose(overrides):
     """The config `ftbench <overrides>` would run, without a run folder (tests, benchmarks)."""
-    return _compose_raw(default_job_rule(overrides))
+    return _compose_raw(default_job_rule(normalise(overrides)))
+
+
+def normalise(overrides) -> list[str]:
+    """`+experiment=X` (the spelling of Hydra's docs and the lightning-hydra template) means
+    `experiment=X` here: conf/config.yaml lists `experiment: null` so that both work."""
+    return [o[1:] if o.startswith("+experiment=") else o for o in overrides]
 
 
 def _compose_raw(overrides):
@@ -150,7 +156,7 @@ def main() -> None:
     if "--version" in args or "-V" in args:
         print(version_text())
         return
-    overrides = [a for a in args if not a.startswith("-")]
+    overrides = normalise(a for a in args if not a.startswith("-"))
     flags = [a for a in args if a.startswith("-")]
     if not flags:  # a single run: Hydra's own rejections become a setting error (exit 2), with a run folder
         from ftbench.config_errors import explain_composition_error
@@ -170,16 +176,40 @@ def _hydra_main(cfg) -> None:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     group = Path(hc.sweep.dir).name if multirun else None
+    overrides = list(hc.overrides.task)
+    if multirun and cfg.report.skip_done and _done(Path(hc.runtime.output_dir), overrides):
+        print(f"ftbench: {hc.runtime.output_dir} already holds this job's ok summary.json: skipped "
+              "(report.skip_done)")
+        return
     # This job's overrides (a sweep's job: its own values), and the keys the sweep varies, read
     # from the multirun.yaml Hydra saved before launching: the same answer in every launcher.
-    summary = execute(cfg, Path(hc.runtime.output_dir), wandb_group=group, overrides=list(hc.overrides.task),
-                      swept=swept_keys(hc.sweep.dir) if multirun else [])
+    summary = execute(cfg, Path(hc.runtime.output_dir), wandb_group=group, overrides=overrides,
+                      swept=swept_keys(hc.sweep.dir) if multirun else [],
+                      cache_dir=Path(hc.sweep.dir) if multirun else None)
     status = summary["status"]
     if status != "ok":
         message = textwrap.fill(f"ftbench: run ended with status '{status}'. {summary['error']}", width=100)
         print(f"\n{message}\nRun folder: {hc.runtime.output_dir}", file=sys.stderr)
         if not multirun:
             sys.exit(EXIT_CODES.get(status, 1))
+
+
+def _done(run_dir: Path, overrides: list[str]) -> bool:
+    """Whether `run_dir` holds an "ok" summary of a job with these overrides (a re-run sweep's
+    finished cell). Its summary is rewritten as it was (a new file), so the sweep's end
+    (SweepCheck, the table report) counts it among this sweep's jobs."""
+    import json
+
+    from ftbench.metrics import SUMMARY_FILE, write_summary
+
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if summary.get("status") != "ok" or summary.get("overrides") != overrides:
+        return False
+    write_summary(run_dir, summary)
+    return True
 
 
 if __name__ == "__main__":

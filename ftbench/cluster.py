@@ -31,13 +31,16 @@ class Cluster:
         self.layout = (self.pp, self.dp)  # the configured grid fixes where workers sit
 
     @classmethod
-    def from_config(cls, cfg) -> "Cluster":
+    def from_config(cls, cfg, nodes: int | None = None) -> "Cluster":
+        """`nodes`: the node count where cluster.nodes is unset and something else sets it (a
+        trace's starting membership); else pp*dp/gpus_per_node."""
         grid = cfg.pp * cfg.dp
-        if cfg.nodes is None and grid % cfg.gpus_per_node:
+        nodes = cfg.nodes if cfg.nodes is not None else nodes
+        if nodes is None and grid % cfg.gpus_per_node:
             raise ConfigError("cluster.gpus_per_node",
                               f"pp*dp = {grid} workers do not fill whole nodes of {cfg.gpus_per_node} GPUs",
                               "choose gpus_per_node dividing cluster.pp*cluster.dp, or set cluster.nodes")
-        nodes = cfg.nodes if cfg.nodes is not None else grid // cfg.gpus_per_node
+        nodes = nodes if nodes is not None else grid // cfg.gpus_per_node
         if nodes * cfg.gpus_per_node < grid:
             raise ConfigError("cluster.nodes", f"{nodes} nodes of {cfg.gpus_per_node} GPUs cannot hold "
                               f"pp*dp = {grid} workers", f"set cluster.nodes >= {-(-grid // cfg.gpus_per_node)}")

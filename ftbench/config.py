@@ -115,8 +115,10 @@ class FailuresConfig:
     every: Optional[str] = None  # interval: period, e.g. 30m, 6h, 1d
     count: Optional[int] = None  # interval/poisson/trace: stop after this many failures (None: no limit)
     mtbf_hours: Optional[float] = None  # poisson: mean time between failures of one node, hours
+    job_mtbf_hours: Optional[float] = None  # poisson, instead of mtbf_hours: mean hours between failures of the whole job (node MTBF = this x nodes)
     repair_hours: Optional[float] = None  # poisson: a failed node rejoins after this long (None: never)
-    path: Optional[str] = None  # trace: CSV of `milliseconds,add|remove,nodeN` rows
+    path: Optional[str] = None  # trace: CSV of `milliseconds,add|remove,nodeN` rows (times shifted so the first row is t=0)
+    end_at_last_event: bool = True  # trace: the run ends at the trace's last event (as the Oobleck artifact does), or earlier at train.iterations / train.max_hours; false: only those end it
     seed: Optional[int] = None  # RNG seed of interval/poisson (None: the run's seed)
 
 
@@ -134,6 +136,7 @@ class CheckpointConfig(StrategyConfig):
     mtbf_hours: Optional[float] = None  # one node's MTBF for Young/Daly (null: failures.mtbf_hours)
     keep: int = 2  # checkpoints kept on storage (local backend)
     overhead_bound: float = 0.035  # checkfreq: largest fraction of iteration time spent stalled on snapshots
+    save_s: Optional[float] = None  # fixed checkpoint save stall in seconds (null: bytes over hardware.storage_gbps)
 
 
 @dataclass
@@ -180,6 +183,33 @@ class ReportConfig:
     gantt: bool = True  # PNG Gantt chart of one simulated iteration
     progress: bool = True  # progress bar on the console
     check_fault_free: bool = True  # local: after a run, train again without failures and compare losses and weights
+    skip_done: bool = False  # --multirun: a job whose folder already holds an "ok" summary.json of the same overrides is not run again
+
+
+@dataclass
+class CalibrateConfig:
+    """Fit `hardware.efficiency`, the one fitted number per model, to a published fault-free
+    cell: the efficiency at which the reference system's fault-free run (on sim, this setup)
+    trains at `throughput`. Everything under failures then comes from the mechanisms."""
+    throughput: Optional[float] = None  # target fault-free samples/s (null: no fit, hardware.efficiency as given)
+    strategy: Any = field(default_factory=lambda: {"name": "none"})  # the reference system: a strategy config, e.g. {name: oobleck}
+    overrides: List[str] = field(default_factory=list)  # dotted settings of the reference run only, e.g. [cluster.nodes=30]
+    source: str = ""  # where the target comes from (shown in reports)
+
+
+@dataclass
+class TableConfig:
+    """A paper table as a sweep (conf/experiment/*-table*.yaml): which cell this run is, the
+    per-model and per-column setups that interpolate into the run's settings, and the
+    published cells the sweep's report sets ours beside. Unused outside such experiments."""
+    name: Optional[str] = None  # the table (e.g. recycle, oobleck-table2); null: this run is no table cell
+    title: str = ""  # the table's caption in reports
+    column: Optional[str] = None  # this cell's column (a key of `columns`)
+    columns: Any = field(default_factory=dict)  # column -> its settings (failure rate, trace, ...)
+    models: Any = field(default_factory=dict)  # model -> its setup (grid, batch, fitted target, ...)
+    rows: Any = field(default_factory=dict)  # strategy -> the paper's row label
+    paper: Any = field(default_factory=dict)  # model -> row label -> column -> published value ("OOM" or a number)
+    sources: Any = field(default_factory=dict)  # setting -> where its value comes from, or "assumption: ..."
 
 
 @dataclass
@@ -195,6 +225,8 @@ class FTBenchConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    table: TableConfig = field(default_factory=TableConfig)
     seed: int = 0  # seeds data, failure draws and everything random
 
 
@@ -210,14 +242,42 @@ def register_configs() -> None:
     """Put the schemas in Hydra's ConfigStore. Group YAML files are typed by the top-level
     schema; strategies differ in fields, so each `conf/strategy/X.yaml` pulls its schema from
     the `schema/strategy` group, kept apart so it is not offered as a strategy option."""
+    from ftbench.sweeper import register as register_sweeper
+
     cs = ConfigStore.instance()
     cs.store(name="ftbench_schema", node=FTBenchConfig)
+    register_sweeper()  # hydra/sweeper=ftbench: the paper tables' sweeps
     for name, node in STRATEGY_SCHEMAS.items():
         cs.store(group="schema/strategy", name=name, node=node)
+    if not OmegaConf.has_resolver("cell"):
+        OmegaConf.register_new_resolver("cell", _cell)
     if not OmegaConf.has_resolver("run_id"):
         # A short random id per process (cached), so runs started in the same second get
         # distinct folders.
         OmegaConf.register_new_resolver("run_id", lambda: uuid.uuid4().hex[:4], use_cache=True)
+
+
+def _cell(section: str, key: str, *more: str, _root_: Any) -> Any:
+    """`${cell:models,pp}`: this run's entry of a paper table's section, looked up by the run's
+    model (`models`) or column (`columns`) as a literal key (model names hold dots, e.g.
+    gpt3-3.35b, which a plain `${table.models.${model.name}.pp}` would split). Further keys go
+    deeper: `${cell:models,pp,${strategy.name}}` is the model's `pp` entry for this strategy."""
+    table = _root_.table
+    owner = {"models": str(_root_.model.name), "columns": str(table.column)}.get(section)
+    if owner is None:
+        raise ConfigError(f"table.{section}", "cells are looked up in `models` or `columns` only",
+                          "write ${cell:models,FIELD} or ${cell:columns,FIELD}")
+    entries = table.get(section) or {}
+    if owner not in entries:
+        raise ConfigError("model" if section == "models" else "table.column",
+                          f"'{owner}' is not in this table's {section} ({', '.join(map(str, entries)) or 'none'})",
+                          f"pick one of {', '.join(map(str, entries))}")
+    value, where = entries[owner], f"table.{section}.{owner}"
+    for part in (key, *more):
+        if not hasattr(value, "keys") or part not in value:
+            raise ConfigError(where, f"it has no '{part}'", f"add {part} to it")
+        value, where = value[part], f"{where}.{part}"
+    return value
 
 
 def parse_duration(text: str, setting: str) -> float:

@@ -21,6 +21,12 @@ class ConfigError(UserError):
         super().__init__(f"Invalid setting `{setting}`: {problem}. Fix: {fix}.")
 
 
+class TooFewNodes(ConfigError):
+    """A strategy cannot start on the live nodes the job has (fewer than its smallest job).
+    Raised by a strategy's first `plan`; on the modelled clock the run loop then waits for
+    timed joins (a trace's later adds) and asks again, and raises it when none brings enough."""
+
+
 class ResultError(UserError):
     """A run that ends early as a result ("oom", "unrecoverable"), not because of a bad setting."""
 

@@ -39,8 +39,11 @@ class FailureEvent:
 class FailureScript:
     by_iteration: list[FailureEvent]  # sorted by iteration (stable)
     by_time: Iterator[FailureEvent]  # time-ordered, may be lazy and unbounded
-    initial_nodes: int | None = None  # trace only: nodes the trace starts with (adds at t=0)
+    initial_nodes: int | None = None  # trace only: nodes the trace starts with (the adds at its first instant)
     description: str = ""  # one line for logs and reports
+    # trace with failures.end_at_last_event: the run ends at this time, s (its last event's,
+    # after the shift); the run loop stops there as at train.max_hours. None: no such end.
+    end_s: float | None = None
     # scripted only: the events of `by_time` as a list (the iterator cannot be looked at twice)
     scripted_by_time: tuple[FailureEvent, ...] = ()
 
@@ -61,7 +64,7 @@ def take_until(events: Iterable[FailureEvent], horizon_s: float) -> list[Failure
 
 # Settings that only one kind of script reads.
 OWNED_SETTINGS = {"events": "scripted", "every": "interval", "mtbf_hours": "poisson",
-                  "repair_hours": "poisson", "path": "trace"}
+                  "repair_hours": "poisson", "job_mtbf_hours": "poisson", "path": "trace"}
 
 
 def build_failure_script(cfg, num_nodes: int, seed: int, iterations: int | None = None,
@@ -121,6 +124,8 @@ def _build(cfg, num_nodes: int, seed: int) -> FailureScript:
 
     if kind == "none":
         return FailureScript([], iter(()), description="no failures")
+    if count == 0 and kind in ("interval", "poisson"):  # a paper table's fault-free column
+        return FailureScript([], iter(()), description=f"no failures ({kind} with failures.count=0)")
     if kind == "scripted":
         return _scripted(events, num_nodes)
     if kind == "interval":
@@ -222,6 +227,15 @@ def _interval_events(period_s: float, num_nodes: int, seed: int, count: int | No
 
 def _poisson(cfg, num_nodes: int, seed: int, count: int | None) -> FailureScript:
     mtbf_hours, repair_hours = _get(cfg, "mtbf_hours"), _get(cfg, "repair_hours")
+    job_mtbf = _get(cfg, "job_mtbf_hours")
+    if job_mtbf is not None:
+        if mtbf_hours is not None:
+            raise ConfigError("failures.job_mtbf_hours", "it is set together with failures.mtbf_hours",
+                              "give the job's MTBF or one node's, not both (failures.mtbf_hours=null)")
+        if job_mtbf <= 0:
+            raise ConfigError("failures.job_mtbf_hours", f"{job_mtbf} is not positive",
+                              "give the mean hours between failures of the whole job, e.g. 6")
+        mtbf_hours = job_mtbf * num_nodes  # num_nodes independent nodes fail at num_nodes x one node's rate
     if mtbf_hours is None:
         raise ConfigError("failures.mtbf_hours", "poisson failures need the MTBF of one node",
                           "set it, e.g. failures=poisson failures.mtbf_hours=5000")
@@ -269,12 +283,19 @@ def _trace(cfg, count: int | None) -> FailureScript:
         raise ConfigError("failures.path", "trace failures need a trace file",
                           "set it, e.g. failures=trace failures.path=6h.csv")
     resolved = _resolve_trace(str(path))
-    initial, events = read_trace(resolved)
-    fails = sum(e.kind == "fail" for e in events)
-    joins = len(events) - fails
-    description = (f"trace {resolved.name}, {initial} nodes at start, {fails} fails, {joins} joins"
-                   f"{_count_text(count)}")
-    return FailureScript([], _limit(iter(events), count), initial_nodes=initial, description=description)
+    trace = load_trace(resolved)
+    fails = sum(e.kind == "fail" for e in trace.events)
+    joins = len(trace.events) - fails
+    # The run ends at the trace's last event unless told not to (a field missing, as in an
+    # older DictConfig, means the default: end there).
+    end_s = trace.end_s if _get(cfg, "end_at_last_event") is not False and trace.end_s > 0 else None
+    shift = (f", shifted {trace.shift_s:g} s earlier (its first event, at {trace.shift_s:g} s, is t=0)"
+             if trace.shift_s else "")
+    end = f", the run ends at its last event ({end_s:g} s)" if end_s is not None else ""
+    description = (f"trace {resolved.name}{shift}, {trace.initial} node{'s' * (trace.initial != 1)} at start, {fails} fails, {joins} joins, "
+                   f"up to {trace.peak} nodes at once{_count_text(count)}{end}")
+    return FailureScript([], _limit(iter(trace.events), count), initial_nodes=trace.initial, description=description,
+                         end_s=end_s)
 
 
 def _resolve_trace(path: str) -> Path:
@@ -290,18 +311,38 @@ def _resolve_trace(path: str) -> Path:
                       f"{', '.join(known) or '(none)'}")
 
 
-def read_trace(path) -> tuple[int, list[FailureEvent]]:
-    """Read `milliseconds,add|remove,nodeN` rows -> (nodes at t=0, later events in time order).
+@dataclass(frozen=True)
+class Trace:
+    """A membership trace as `load_trace` reads it. Times are relative to the trace's first
+    row: a trace whose first nodes appear after t = 0 (measured spot traces do) starts there."""
+    initial: int  # nodes added at the first instant: the starting membership, ids 0..initial-1
+    events: list[FailureEvent]  # the later membership changes, in time order
+    shift_s: float  # the first row's time in the file, s: subtracted from every time
+    end_s: float  # the last row's time, after the shift, s
+    peak: int  # the most nodes up at once
+    names: int  # distinct node names: ids 0..names-1
 
-    Node names get ids 0, 1, ... in order of first appearance. Adds at t=0 are the starting
-    membership and make no events; later removes are "fail" and later adds are "join" events.
+
+def read_trace(path) -> tuple[int, list[FailureEvent]]:
+    """(nodes at the start, later events in time order) of a trace file; see `load_trace`."""
+    trace = load_trace(path)
+    return trace.initial, trace.events
+
+
+def load_trace(path) -> Trace:
+    """Read `milliseconds,add|remove,nodeN` rows.
+
+    Time is shifted so that the first row's time is t = 0 (`Trace.shift_s` is how far). Node
+    names get ids 0, 1, ... in order of first appearance. The adds at that first instant are
+    the starting membership and make no events; later removes are "fail" and later adds are
+    "join" events (a name seen before that is added at the first instant again joins then).
     """
     path = Path(path)
     ids: dict[str, int] = {}
     up: set[int] = set()
-    initial = 0
+    initial = peak = 0
     events: list[FailureEvent] = []
-    last_ms = 0.0
+    first_ms = last_ms = None
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
     except OSError as err:
@@ -329,31 +370,37 @@ def read_trace(path) -> tuple[int, list[FailureEvent]]:
             ms = float(ms_text)
         except ValueError:
             raise bad(f"'{ms_text}' is not a number of milliseconds") from None
-        if not ms >= 0:  # also rejects nan
-            raise bad(f"time {ms_text} is negative")
-        if ms < last_ms:
+        if not ms >= 0 or ms == float("inf"):  # also rejects nan
+            raise bad(f"time {ms_text} is negative" if ms < 0 else f"time {ms_text} is not a number of milliseconds")
+        if last_ms is not None and ms < last_ms:
             raise bad(f"time {ms_text} is earlier than the row before")
         if action not in ("add", "remove"):
             raise bad(f"'{action}' is neither add nor remove")
         if not name:
             raise bad("the node name is empty")
+        if first_ms is None:
+            first_ms = ms
+        new = name not in ids
         node = ids.setdefault(name, len(ids))
+        time_s = (ms - first_ms) / 1000.0
         # A trace that removes an absent node or adds a present one would confuse membership.
         if action == "add":
             if node in up:
                 raise bad(f"{name} is added while already present")
             up.add(node)
-            if ms == 0:
+            peak = max(peak, len(up))
+            if ms == first_ms and new:
                 initial += 1
             else:
-                events.append(FailureEvent(node=node, kind="join", time_s=ms / 1000.0))
+                events.append(FailureEvent(node=node, kind="join", time_s=time_s))
         else:
             if node not in up:
                 raise bad(f"{name} is removed while not present")
             up.discard(node)
-            events.append(FailureEvent(node=node, kind="fail", time_s=ms / 1000.0))
+            events.append(FailureEvent(node=node, kind="fail", time_s=time_s))
         last_ms = ms
-    if initial == 0 and not events:
+    if first_ms is None:
         raise ConfigError("failures.path", f"trace '{path}' has no rows",
                           "give a CSV with `milliseconds,add|remove,nodeN` rows")
-    return initial, events
+    return Trace(initial=initial, events=events, shift_s=first_ms / 1000.0, end_s=(last_ms - first_ms) / 1000.0,
+                 peak=peak, names=len(ids))

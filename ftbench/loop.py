@@ -4,7 +4,8 @@ It owns what is the same everywhere: taking events as the run reaches them
 (`ftbench.events` defines when each takes effect), applying membership changes (it is the
 only writer of `Cluster`; strategies see a read-only view and ask for replacements,
 standbys and reshapes through their `Recovery`), asking the strategy, periodic checkpoints
-and their interval, recovery and lost-work records, and the metrics lines.
+and their interval, recovery and lost-work records, the time of the iterations that count
+(`KeptIterations`: the run's `productive_s`, the numerator of its ETTR), and the metrics lines.
 
 A backend implements the small protocol `Backend` and holds no loop logic: `sim` jumps over
 runs of identical iterations in closed form, `local` runs them one at a time.
@@ -24,7 +25,7 @@ from typing import Protocol
 
 from ftbench.actions import Rendezvous, RestartJob, SaveCheckpoint, WaitForReplacement
 from ftbench.cluster import Cluster
-from ftbench.errors import UserError
+from ftbench.errors import TooFewNodes, UserError
 from ftbench.events import EventQueue
 from ftbench.failures import ITERATION_EVENT_FRACTION, FailureEvent, FailureScript
 from ftbench.outcome import RunOutcome
@@ -96,15 +97,56 @@ class LoopOutcome(RunOutcome):
     global_batch: int = 0
 
 
+class KeptIterations:
+    """The time of the iterations that count, for ETTR (the run's `productive_s`): every
+    iteration index the final model holds, once, at the time its last (kept) execution took.
+
+    Runs of consecutive iterations as [first, count, seconds each]: sim adds a segment of
+    identical iterations at once, local and dist one iteration at its own time. A rollback to
+    iteration k drops every iteration from k on (they are redone and count when they are);
+    checkpoint stalls, recoveries, waits and the part of an iteration a failure cut short are
+    never added."""
+
+    def __init__(self):
+        self.runs: list[list] = []
+
+    def add(self, first: int, count: int, seconds: float) -> None:
+        last = self.runs[-1] if self.runs else None
+        if last is not None and last[0] + last[1] == first and last[2] == seconds:
+            last[1] += count
+        else:
+            self.runs.append([first, count, seconds])
+
+    def rollback(self, to: int) -> None:
+        """Iterations `to` and later are lost: the run continues from iteration `to`."""
+        while self.runs and self.runs[-1][0] >= to:
+            self.runs.pop()
+        if self.runs and self.runs[-1][0] + self.runs[-1][1] > to:
+            self.runs[-1][1] = to - self.runs[-1][0]
+
+    def seconds(self) -> float:
+        return math.fsum(count * each for _, count, each in self.runs)
+
+
 class Checkpoints:
     """The strategy's periodic checkpoints: the interval (recomputed for every new plan, from
     modelled or measured costs), when saves are due, and on the modelled clock when each
-    becomes durable. Runs of iterations with their checkpoints advance in closed form."""
+    becomes durable. Runs of iterations with their checkpoints advance in closed form.
+
+    A strategy with `checkpoint_after_change = True` (varuna) also checkpoints right after
+    the first iteration that completes after each recovery (a restart, a morph): the job saves
+    once it has trained one iteration in its new shape, whatever the interval, so the next
+    failure never rolls back past it. That save is an ordinary one (same cost, same ledger);
+    where it falls on a multiple of the interval it is that checkpoint, not a second one.
+    A strategy's `save_s` (strategy.save_s), when set, is the modelled stall of every save."""
 
     def __init__(self, strategy, cost_model, iterations: int, log, modelled: bool):
         self.strategy, self.cost_model, self.iterations, self.log = strategy, cost_model, iterations, log
         self.mode = getattr(strategy, "checkpoint_mode", None)
         self.modelled = modelled
+        self.after_change_rule = self.mode is not None and bool(getattr(strategy, "checkpoint_after_change", False))
+        self.after_change: int | None = None  # the iteration after which the post-change checkpoint is due
+        self.save_s: float | None = getattr(strategy, "save_s", None)
         self.ledger = CheckpointLedger()
         self.every: int | None = None  # unknown until the plan's iteration time is
         self.stall = self.persist = self.T = 0.0
@@ -114,8 +156,19 @@ class Checkpoints:
 
     def modelled_cost(self, plan) -> SaveCost:
         if self._cost is None or self._cost[0] is not plan:
-            self._cost = (plan, save_cost(self.mode, plan, self.cost_model))
+            self._cost = (plan, save_cost(self.mode, plan, self.cost_model, self.save_s))
         return self._cost[1]
+
+    def recovered(self, restored: int) -> None:
+        """A recovery resumed training at iteration `restored`: with the post-change rule, a
+        checkpoint is due once iteration `restored` completes (replacing any still pending)."""
+        if self.after_change_rule:
+            self.after_change = restored + 1
+
+    def saved(self, iteration: int) -> None:
+        """A checkpoint was written after `iteration` iterations."""
+        if self.after_change is not None and iteration >= self.after_change:
+            self.after_change = None
 
     def use(self, plan, T: float | None) -> None:
         """Continue with `plan`, whose iteration takes T seconds (None: not measured yet)."""
@@ -133,15 +186,25 @@ class Checkpoints:
         return self.mode is not None and plan is not self._plan
 
     def due(self, it: int) -> bool:
-        """A checkpoint after iteration `it` (none after the run's last iteration)."""
-        return self.mode is not None and self.every is not None and it % self.every == 0 and it < self.iterations
+        """A checkpoint after iteration `it` (none after the run's last iteration): a multiple
+        of the interval, or the post-change checkpoint."""
+        if self.mode is None or it >= self.iterations:
+            return False
+        return (self.every is not None and it % self.every == 0) or it == self.after_change
 
     # -- closed form (jumping backends) --------------------------------------------------
+    def _extra(self, it: int, end: int) -> int | None:
+        """The post-change checkpoint when it falls in (it, end] off the interval's multiples."""
+        at = self.after_change
+        if at is None or not it < at <= end or (self.every is not None and at % self.every == 0):
+            return None
+        return at
+
     def _saves(self, it: int, n: int) -> int:
         if self.mode is None or self.every is None:
             return 0
         end = min(it + n, self.iterations - 1)
-        return max(end // self.every - it // self.every, 0)
+        return max(end // self.every - it // self.every, 0) + (self._extra(it, end) is not None)
 
     def span(self, it: int, n: int) -> float:
         return n * self.T + self._saves(it, n) * self.stall
@@ -164,12 +227,21 @@ class Checkpoints:
         saves = self._saves(it, n)
         newest = []
         if saves:
-            last = min(it + n, self.iterations - 1) // self.every * self.every
-            for k in range(max(saves - 3, 0), saves):  # the newest few are all a restore can want
-                at = last - (saves - 1 - k) * self.every
+            end = min(it + n, self.iterations - 1)
+            periodic = end // self.every - it // self.every
+            last = end // self.every * self.every
+            # the newest few are all a restore can want
+            points = [last - k * self.every for k in range(min(periodic, 3))]
+            extra = self._extra(it, end)
+            if extra is not None:
+                points.append(extra)
+            for at in sorted(points)[-3:]:
                 self.ledger.add(at, t + self.span(it, at - it) + self.persist)
                 newest.append(at)
-        return t + self.span(it, n), saves, newest
+        t_end = t + self.span(it, n)
+        if newest:
+            self.saved(newest[-1])  # after the span: it counts the post-change checkpoint
+        return t_end, saves, newest
 
 
 class RunLoop:
@@ -185,8 +257,14 @@ class RunLoop:
         self.out = LoopOutcome(losses=[math.nan] * ctx.iterations if not backend.jumps else [],
                                global_batch=ctx.global_batch)
         self.ckpt = Checkpoints(strategy, ctx.cost_model, ctx.iterations, log, self.modelled)
-        self.horizon = ctx.max_hours * 3600.0 if ctx.max_hours is not None else math.inf
+        # The run stops before an iteration that would end past train.max_hours, or past the
+        # end the failure script sets (a trace's last event: failures.end_at_last_event).
+        ends = [ctx.max_hours * 3600.0] if ctx.max_hours is not None else []
+        if script.end_s is not None:
+            ends.append(script.end_s)
+        self.horizon = min(ends, default=math.inf)
         self.it, self.t, self.plan = 0, 0.0, None
+        self.kept = KeptIterations()
         self._points: dict = {}
         self._wall0 = time.perf_counter()
         self._nodes: tuple | None = None  # ((plan, its nodes), ...): the last two plans asked about
@@ -203,12 +281,13 @@ class RunLoop:
                 return self._run()
         except BaseException as err:  # Ctrl-C, SIGTERM, a bug: whoever reports it gets what was done
             self.out.iterations, self.out.time_s = self.it, self.now()
+            self.out.productive_s = self.kept.seconds()
             err.outcome = self.out
             raise
 
     def _run(self) -> LoopOutcome:
         out = self.out
-        self.plan = self.strategy.plan(self.view)
+        self.plan = self._first_plan()
         self.backend.start(self.plan)
         self._save(0, initial=True)
         while self.it < self.ctx.iterations and out.status == "ok":
@@ -232,11 +311,39 @@ class RunLoop:
             elif strike is not None:
                 self._strike(*strike, timeline=timeline, T=T)
             else:
-                break  # the next iteration would not finish before train.max_hours
+                break  # the next iteration would not finish before train.max_hours (or the trace's end)
         self.backend.finish()
         out.iterations, out.time_s = self.it, self.now()
+        out.productive_s = self.kept.seconds()
         out.peak_memory_bytes = self.backend.peak_memory()
         return out
+
+    def _first_plan(self) -> Plan:
+        """The strategy's first plan. A strategy that cannot start on the nodes the job has
+        (TooFewNodes: a trace that starts with fewer nodes than its smallest job) waits, on the
+        modelled clock, for the timed events that bring more: the clock moves to each instant,
+        its events change membership only (no strategy is running yet; a node lost before the
+        start is no failure of the job), and the strategy is asked again. No iteration runs
+        meanwhile; the wait counts in the run's time. On the wall clock, or when no event
+        before the run's end brings enough nodes, the error stands."""
+        while True:
+            try:
+                return self.strategy.plan(self.view)
+            except TooFewNodes as err:
+                upcoming = self.events.peek_timed()
+                if not self.modelled or upcoming is None or upcoming.time_s >= self.horizon:
+                    raise
+                self.t = max(self.t, upcoming.time_s)
+                while (event := self.events.peek_timed()) is not None and event.time_s <= self.t:
+                    self.events.pop_timed()
+                    if event.kind == "join":
+                        self.cluster.join(event.node)
+                    else:
+                        self.cluster.fail(event.node)
+                    self.log({"event": event.kind, "node": event.node, "time_s": self.t, "iteration": 0,
+                              "before_start": True})
+                self.log({"event": "waiting", "time_s": self.t, "nodes": len(self.cluster.alive),
+                          "reason": err.problem})
 
     def _next_step(self, T: float) -> tuple[int, tuple[FailureEvent, float] | None]:
         """(whole iterations to run before the next event, or the failure striking now)."""
@@ -274,10 +381,12 @@ class RunLoop:
         return nodes
 
     def _boundary_events(self) -> bool:
-        """Apply what is due at this iteration boundary; True when anything was."""
+        """Apply what is due at this iteration boundary; True when anything was. A timed event
+        at or past the run's end (train.max_hours, a trace's last event) is not: a recovery
+        that ran past the end ends the run, which applies nothing after it."""
         now = self.now()
         timed = self.events.peek_timed()
-        if timed is not None and timed.time_s <= now:
+        if timed is not None and timed.time_s <= now and timed.time_s < self.horizon:
             event = self.events.pop_timed()
             if self._strikes(event):  # it struck while a recovery ran, or (wall clock) during the last iteration
                 self._strike(event, 0.0, timeline=self.timelines(self.plan), T=0.0)
@@ -301,6 +410,7 @@ class RunLoop:
                       "iteration_time_s": T, "checkpoints": saved, "time_s": t_end,
                       "samples": (self.it + n) * self.ctx.global_batch, "plan": self.plan.name})
             self._segment(self.it, self.it + n - 1)
+            self.kept.add(self.it, n, T)  # the checkpoint stalls in t_end are not productive
             self.it, self.t = self.it + n, t_end
             if self.progress is not None:
                 self.progress(self.it)
@@ -317,6 +427,7 @@ class RunLoop:
                 self.t += T
             self.out.losses[self.it] = math.nan if loss is None else loss
             self._segment(self.it, self.it)
+            self.kept.add(self.it, 1, T if self.modelled else measured)
             self.it += 1
             self.log({"event": "iteration", "iteration": self.it - 1, "loss": loss, "iteration_s": measured,
                       "time_s": self.now(), "samples": self.it * self.ctx.global_batch, "plan": self.plan.name})
@@ -352,6 +463,7 @@ class RunLoop:
         else:
             cost = measured or SaveCost(0.0, 0.0)
             self.ckpt.measured = cost
+        self.ckpt.saved(iteration)
         self.out.checkpoints += 1
         if not self.backend.jumps or initial:
             self.log({"event": "checkpoint", "iteration": iteration, "mode": mode, "stall_s": cost.stall_s,
@@ -476,6 +588,8 @@ class RunLoop:
         else:
             seconds = time.perf_counter() - started
         self.plan, self.it = new, restored
+        self.ckpt.recovered(restored)  # the post-change checkpoint (strategy.checkpoint_after_change)
+        self.kept.rollback(restored)  # iterations restored..it-1 were lost: their redo counts instead
         if out.plan_after_recovery is None and new is not old:
             out.plan_after_recovery = new
         record = {"time_s": t_event, "iteration": it, "recovery_s": seconds, "lost_iterations": it - restored,
@@ -502,7 +616,8 @@ class RunLoop:
         if hit is None or hit[0] is not old or hit[1] is not new:
             if len(self._action_s) >= 16:
                 del self._action_s[next(iter(self._action_s))]  # the oldest
-            hit = self._action_s[key] = (old, new, action_seconds(action, old, new, self.ctx.cost_model))
+            hit = self._action_s[key] = (old, new, action_seconds(action, old, new, self.ctx.cost_model,
+                                                                  self.ckpt.save_s))
         return hit[2]
 
     def _replace(self, nodes: tuple[int, ...]) -> WaitForReplacement:

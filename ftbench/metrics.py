@@ -18,7 +18,7 @@ from typing import Any
 
 SUMMARY_KEYS: tuple[str, ...] = (
     "strategy", "backend", "model", "dp", "pp", "microbatches", "global_batch",
-    "iterations", "samples", "time_s", "throughput", "failures", "recoveries",
+    "iterations", "samples", "time_s", "throughput", "ettr", "productive_s", "failures", "recoveries",
     "peak_memory_bytes", "status", "error",
 )
 STATUSES = ("ok", "oom", "unrecoverable", "diverged", "error")  # diverged: differs from fault-free training
@@ -136,6 +136,29 @@ def read_metrics(path: Path | str) -> list[dict]:
                 break
             raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
     return records
+
+
+ETTR_DIGITS = 6  # ettr is rounded to this many decimals (0.0001 %)
+
+
+def ettr(productive_s: Any, time_s: Any) -> float | None:
+    """Effective training time ratio: the time spent on iterations that count (`productive_s`:
+    each iteration the final model holds, once, at the time its kept execution took) over the
+    run's whole time (`time_s`: with checkpoint stalls, recoveries, waits for replacements,
+    lost iterations and redone work). A float in [0, 1], rounded to ETTR_DIGITS decimals;
+    None when the run spent no time (or either number is missing)."""
+    if not (_is_number(productive_s) and _is_number(time_s)) or not time_s > 0 or not math.isfinite(time_s):
+        return None
+    return round(min(max(productive_s / time_s, 0.0), 1.0), ETTR_DIGITS)
+
+
+def summary_ettr(summary: dict) -> float | None:
+    """A summary's `ettr`; for a summary written before it existed, from `productive_s` and
+    `time_s` when it has them (else None)."""
+    value = summary.get("ettr")
+    if _is_number(value):
+        return float(value)
+    return ettr(summary.get("productive_s"), summary.get("time_s"))
 
 
 def recovery_totals(summary: dict) -> dict:
@@ -304,7 +327,8 @@ class WandbSink:
       run folder's `*.png` as wandb.Image (`gantt.png` under `gantt`, others under
       `plots/<name>`), the final model folder (artifact type "model", `model-<run id>`) and
       summary.json (type "summary", `summary-<run id>`), and the summary's scalars (plus
-      recovery totals and peak memory) in `run.summary`.
+      recovery totals, peak memory and `ettr`, the effective training time ratio) in
+      `run.summary`.
     """
 
     MODES = ("offline", "online", "disabled")
@@ -476,7 +500,7 @@ def _artifact_metadata(summary: dict) -> dict:
 # Columns of the sweep table: (column, summary key or derived value).
 SWEEP_COLUMNS: tuple[str, ...] = (
     "run", "strategy", "backend", "model", "hardware", "schedule", "pp", "dp", "microbatches",
-    "global_batch", "iterations", "samples", "time_s", "throughput", "failures", "recoveries",
+    "global_batch", "iterations", "samples", "time_s", "throughput", "ettr", "failures", "recoveries",
     "recovery_s", "lost_iterations", "peak_memory_gb", "status", "matches_fault_free",
     "wall_s", "error",
 )
@@ -499,6 +523,7 @@ def sweep_rows(sweep_dir: Path | str) -> tuple[list[str], list[list[Any]]]:
             "recoveries": totals["count"], "recovery_s": totals["recovery_s"],
             "lost_iterations": totals["lost_iterations"],
             "peak_memory_gb": None if peak is None else peak / 1e9,
+            "ettr": summary_ettr(summary),
         }
         rows.append([_table_cell(derived[c] if c in derived else summary.get(c)) for c in SWEEP_COLUMNS])
     return list(SWEEP_COLUMNS), rows
@@ -554,6 +579,7 @@ def _summary_scalars(summary: dict) -> dict:
     scalars.setdefault("recoveries_count", totals["count"])
     scalars.setdefault("recovery_s_total", totals["recovery_s"])
     scalars.setdefault("lost_iterations_total", totals["lost_iterations"])
+    scalars["ettr"] = summary_ettr(summary)  # productive_s / time_s (see `ettr`)
     peak = peak_memory_max(summary)
     if peak is not None:
         scalars.setdefault("peak_memory_bytes_max", peak)
@@ -562,6 +588,6 @@ def _summary_scalars(summary: dict) -> dict:
 
 __all__ = [
     "SUMMARY_KEYS", "STATUSES", "METRICS_FILE", "SUMMARY_FILE", "MetricsWriter", "check_summary",
-    "write_summary", "read_metrics", "recovery_totals", "peak_memory_max", "WandbSink",
+    "write_summary", "read_metrics", "recovery_totals", "peak_memory_max", "ettr", "summary_ettr", "WandbSink",
     "wandb_group", "recoveries_table", "sweep_rows", "log_sweep_table",
 ]

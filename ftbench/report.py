@@ -5,8 +5,8 @@ sweep with no "ok" job exit non-zero).
 
 CLI: `python -m ftbench.report RUN_OR_SWEEP_DIR... [--csv] [--out FILE] [--columns A,B]
 [--per-run]`. Default columns: strategy, one per swept key, model, schedule, backend, pp, dp,
-microbatches, iterations, time, iteration time, throughput, failures, recovery total, lost
-iterations, status. Times are in the run's clock, named in the header: `sim s` (the cost
+microbatches, iterations, time, iteration time, throughput, ETTR (`ettr`: productive time over
+the run's time), failures, recovery total, lost iterations, status. Times are in the run's clock, named in the header: `sim s` (the cost
 model: sim, or local with backend.clock=model) or `wall s` (measured); a table that mixes
 them says `s` and adds a `clock` column. Iteration time: sim, one iteration of the first plan;
 local, the median over its iterations (metrics.jsonl). Runs that differ only in the seed
@@ -29,7 +29,8 @@ from typing import Any, Iterable
 
 from hydra.experimental.callback import Callback
 
-from ftbench.metrics import METRICS_FILE, SUMMARY_FILE, peak_memory_max, read_metrics, recovery_totals
+from ftbench.metrics import (METRICS_FILE, SUMMARY_FILE, peak_memory_max, read_metrics, recovery_totals,
+                             summary_ettr)
 
 KIND_COLOURS: dict[str, str] = {
     "F": "#4C72B0",    # forward: blue
@@ -47,7 +48,7 @@ MAX_ROWS = 64  # rows drawn before the chart keeps only the first and last halve
 MAX_LABELS = 4000  # micro-batch numbers written at most; more only slows drawing down
 
 DEFAULT_COLUMNS = ["strategy", "model", "schedule", "backend", "pp", "dp", "microbatches", "iterations",
-                   "time_s", "iteration_s", "throughput", "failures", "recovery_s", "lost_iterations",
+                   "time_s", "iteration_s", "throughput", "ettr", "failures", "recovery_s", "lost_iterations",
                    "status"]
 
 
@@ -331,6 +332,13 @@ def _count(value: Any) -> Any:
     return len(value) if isinstance(value, (list, tuple)) else value
 
 
+def _percent(ratio: float | None) -> str:
+    """0.97312 -> '97.3 %'; a ratio short of 1 never reads as 100.0 % (at most 99.9 %)."""
+    if ratio is None:
+        return "-"
+    return f"{min(ratio * 100, 99.9) if ratio < 1 else 100.0:.1f} %"
+
+
 def _or_dash(value: Any) -> str:
     return "-" if value is None or value == "" else str(value)
 
@@ -367,6 +375,7 @@ def format_summary(summary: dict) -> str:
         ("simulated time" if sim else "wall time", human_duration(s.get("time_s"))),
         ("throughput", f"{_short(throughput)} samples/s"
          if isinstance(throughput, (int, float)) else "-"),
+        ("ETTR", _percent(summary_ettr(s))),
         ("failures", _or_dash(_count(s.get("failures")))),
         ("recoveries", f"{totals['count']} (total {human_duration(totals['recovery_s'])})"),
         ("lost iterations", str(totals["lost_iterations"])),
@@ -605,6 +614,7 @@ DERIVED_COLUMNS = {
     "failures": lambda run: _count(run.get("failures")),
     "iteration_s": _iteration_seconds,
     "clock": run_clock,
+    "ettr": summary_ettr,
 }
 SEEDS_COLUMN = "seeds"  # the seeds of a row that stands for several runs
 # Headers with units; "{clock}" is "sim s", "wall s", or "s" when the table mixes clocks
@@ -617,6 +627,7 @@ HEADERS = {
     "throughput": "throughput (samples/{clock})",
     "peak_memory_gb": "peak memory (GB)",
     "lost_iterations": "lost iterations",
+    "ettr": "ETTR",
 }
 TIMED_COLUMNS = ("time_s", "iteration_s", "iteration_time_s", "recovery_s", "throughput")
 

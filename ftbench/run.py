@@ -15,11 +15,12 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ftbench.calibrate import apply as calibrate
 from ftbench.cluster import Cluster
 from ftbench.context import RunContext
 from ftbench.errors import ConfigError, UserError
 from ftbench.failures import build_failure_script
-from ftbench.metrics import MetricsWriter, WandbSink, write_summary
+from ftbench.metrics import MetricsWriter, WandbSink, ettr, write_summary
 from ftbench.report import format_summary, plot_gantt, plot_gantt_panels
 from ftbench.actions import FILE, SNAPSHOT
 from ftbench.failures import FailureScript
@@ -58,11 +59,13 @@ def _echo(text: str) -> None:
 
 
 def execute(cfg, run_dir: Path | str, wandb_group: str | None = None, echo=_echo,
-            overrides: list[str] | None = None, swept: list[str] | None = None) -> dict:
+            overrides: list[str] | None = None, swept: list[str] | None = None,
+            cache_dir: Path | None = None) -> dict:
     """Run `cfg` into `run_dir` and return the summary (also written to summary.json).
 
     `overrides` (the Hydra task overrides `cfg` was composed with) and `swept` (the keys a
-    --multirun sweep varies) are recorded in the summary for tables over runs."""
+    --multirun sweep varies) are recorded in the summary for tables over runs. `cache_dir`
+    (a sweep's folder) keeps what the sweep's jobs share: the calibration fits."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = _base_summary(cfg, overrides, swept)
@@ -71,7 +74,7 @@ def execute(cfg, run_dir: Path | str, wandb_group: str | None = None, echo=_echo
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         with MetricsWriter(run_dir) as metrics:
-            _execute(cfg, run_dir, wandb_group, summary, started, metrics)
+            _execute(cfg, run_dir, wandb_group, summary, started, metrics, cache_dir)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -79,9 +82,14 @@ def execute(cfg, run_dir: Path | str, wandb_group: str | None = None, echo=_echo
     return summary
 
 
-def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, metrics) -> None:
+def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, metrics,
+             cache_dir: Path | None = None) -> None:
     sink = None
     try:
+        calibration = calibrate(cfg, cache_dir)  # before the sink records the config: the fitted efficiency
+        if calibration is not None:
+            summary["calibration"] = calibration
+            summary["efficiency"] = calibration["efficiency"]
         sink = WandbSink(cfg.wandb, run_dir, name=run_dir.name, job_type=str(cfg.strategy.name),
                          group=wandb_group, config=cfg)
 
@@ -126,20 +134,25 @@ def _base_summary(cfg, overrides: list[str] | None = None, swept: list[str] | No
     return {"strategy": cfg.strategy.name, "backend": cfg.backend.name, "model": cfg.model.name,
             "hardware": cfg.hardware.name, "schedule": cfg.schedule.name, "dp": cfg.cluster.dp,
             "pp": cfg.cluster.pp, "microbatches": cfg.train.microbatches, "global_batch": cfg.train.global_batch,
-            "iterations": 0, "samples": 0, "time_s": 0.0, "throughput": 0.0, "failures": 0,
+            "iterations": 0, "samples": 0, "time_s": 0.0, "throughput": 0.0, "ettr": None, "productive_s": 0.0,
+            "failures": 0,
             "recoveries": [], "peak_memory_bytes": [], "status": "error", "error": None, "seed": cfg.seed,
-            "overrides": [str(o) for o in overrides or []], "swept": [str(k) for k in swept or []]}
+            "overrides": [str(o) for o in overrides or []], "swept": [str(k) for k in swept or []],
+            **({"table": {"name": cfg.table.name, "column": cfg.table.column}} if cfg.table.name else {})}
+
+
+def simulate(cfg, run_dir: Path) -> dict:
+    """A sim run of `cfg` without metrics files or W&B (calibration, planners' what-ifs): the
+    summary's totals, with `status` and `error` also for settings that cannot run."""
+    try:
+        return _run(cfg, run_dir, lambda record: None)
+    except UserError as err:
+        return {"status": err.status, "error": str(err), "throughput": 0.0}
 
 
 def _run(cfg, run_dir: Path, log) -> dict:
     ctx = RunContext.from_config(cfg)
-    cluster = Cluster.from_config(cfg.cluster)
-    seed = cfg.failures.seed if cfg.failures.seed is not None else cfg.seed
-    script = build_failure_script(cfg.failures, cluster.nodes, seed, iterations=ctx.iterations, max_hours=ctx.max_hours)
-    if script.initial_nodes is not None and script.initial_nodes != cluster.nodes:
-        raise ConfigError("failures.path", f"the trace starts with {script.initial_nodes} nodes but the cluster has "
-                          f"{cluster.nodes}", f"set cluster.nodes={script.initial_nodes} (with a grid that fits) "
-                          "or replay another trace")
+    cluster, script = _cluster_and_script(cfg, ctx)
     if ctx.backend not in AVAILABLE_BACKENDS:
         raise ConfigError("backend", f"backend '{ctx.backend}' is not implemented yet",
                           f"use one of {', '.join(AVAILABLE_BACKENDS)}")
@@ -157,6 +170,32 @@ def _run(cfg, run_dir: Path, log) -> dict:
     return {**common, **_run_sim(cfg, ctx, strategy, cluster, script, run_dir, log)}
 
 
+def _cluster_and_script(cfg, ctx) -> tuple[Cluster, FailureScript]:
+    """The cluster and the failure script. A trace's starting membership (the nodes it adds
+    at its first instant) is the job: it sets cluster.nodes when that is unset, and must equal
+    it when set. Nodes the trace adds later join as new node ids, and the cluster grows with
+    them (Cluster.join)."""
+    seed = cfg.failures.seed if cfg.failures.seed is not None else cfg.seed
+    c = cfg.cluster
+    if cfg.failures.kind != "trace":
+        cluster = Cluster.from_config(c)
+        return cluster, build_failure_script(cfg.failures, cluster.nodes, seed, iterations=ctx.iterations,
+                                             max_hours=ctx.max_hours)
+    script = build_failure_script(cfg.failures, c.nodes or 0, seed, iterations=ctx.iterations,
+                                  max_hours=ctx.max_hours)
+    initial = script.initial_nodes
+    if c.nodes is not None and c.nodes != initial:
+        raise ConfigError("cluster.nodes", f"it is {c.nodes} but the trace starts with {initial} node(s) "
+                          f"({script.description})", f"drop cluster.nodes (the trace sets it) or set "
+                          f"cluster.nodes={initial}")
+    if initial * c.gpus_per_node < c.pp * c.dp:
+        raise ConfigError("cluster.dp", f"the grid pp x dp = {c.pp} x {c.dp} needs {c.pp * c.dp} GPUs but the trace "
+                          f"starts with {initial} node(s) of {c.gpus_per_node} GPUs ({script.description})",
+                          f"choose cluster.pp x cluster.dp <= {initial * c.gpus_per_node} (oobleck, varuna and bamboo "
+                          "grow onto the nodes the trace adds later), or replay another trace")
+    return Cluster.from_config(c, nodes=initial), script
+
+
 def _clock(cfg) -> str:
     clock = cfg.backend.get("clock") or ("model" if cfg.backend.name == "sim" else "wall")
     if clock not in CLOCKS:
@@ -172,6 +211,7 @@ def _totals(outcome, global_batch: int) -> dict:
     segments = outcome.plan_segments
     return {"iterations": outcome.iterations, "samples": samples, "time_s": outcome.time_s,
             "throughput": samples / outcome.time_s if outcome.time_s > 0 else 0.0,
+            "ettr": ettr(outcome.productive_s, outcome.time_s), "productive_s": outcome.productive_s,
             "failures": outcome.failures, "recoveries": outcome.recoveries,
             "lost_iterations": sum(r.get("lost_iterations", 0) for r in outcome.recoveries),
             "plan_segments": segments, "final_shape": segments[-1]["shape"] if segments else None,

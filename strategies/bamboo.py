@@ -34,7 +34,7 @@ than S live nodes, or a layer no survivor holds, is unrecoverable.
 from __future__ import annotations
 
 from ftbench.actions import Rendezvous, SyncFromPeers
-from ftbench.errors import ConfigError
+from ftbench.errors import ConfigError, TooFewNodes
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
 from ftbench.schedule import B, BW, NO_MICROBATCH, OPT, RF, RSYNC, Op, Schedule, generate, grid_worker, read_ops
@@ -68,7 +68,7 @@ class Bamboo:
                               "the next stage of its pipeline", "set cluster.pp=2 or more")
         live = sorted(n for n in cluster.alive if n < cluster.nodes)
         if len(live) < self.S:
-            raise ConfigError("cluster.nodes", f"bamboo puts each of the {self.S} stages on its own node, and the job "
+            raise TooFewNodes("cluster.nodes", f"bamboo puts each of the {self.S} stages on its own node, and the job "
                               f"has {len(live)} nodes", f"use at least cluster.pp = {self.S} nodes (cluster.nodes, "
                               "or cluster.pp x cluster.dp / cluster.gpus_per_node)")
         if len(live) // self.S * self.lanes > self.microbatches:

@@ -30,6 +30,9 @@ def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:
 class CheckpointRestart:
     name = "checkpoint"
     checkpoint_mode: str | None = FILE
+    # Also checkpoint right after the first iteration that completes after each recovery (the
+    # run loop's Checkpoints honours it on every backend); varuna turns it on.
+    checkpoint_after_change = False
 
     def __init__(self, cfg, ctx):
         self.cfg, self.ctx = cfg, ctx
@@ -42,6 +45,11 @@ class CheckpointRestart:
         if keep is not None and keep < 1:
             raise ConfigError("strategy.keep", f"must be at least 1 checkpoint, got {keep}",
                               "set strategy.keep >= 1: a restart reloads the newest checkpoint kept on storage")
+        self.save_s = getattr(cfg, "save_s", None)  # the loop's modelled save stall (None: from bytes)
+        if self.save_s is not None and not (math.isfinite(self.save_s) and self.save_s > 0):
+            raise ConfigError("strategy.save_s", f"must be a positive number of seconds, got {self.save_s}",
+                              "set strategy.save_s to the measured checkpoint save time in seconds (e.g. 11.2), "
+                              "or null to model it as the checkpoint's bytes over hardware.storage_gbps")
         if self.every is None and self._needs_mtbf() and self.mtbf_hours is None:
             raise ConfigError("strategy.every", "null asks for the Young/Daly interval, which needs the node MTBF",
                               "set strategy.mtbf_hours (or use failures=poisson with failures.mtbf_hours), "

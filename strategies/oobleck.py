@@ -20,7 +20,7 @@ from __future__ import annotations
 import warnings
 
 from ftbench.actions import Rendezvous, SyncFromPeers
-from ftbench.errors import ConfigError
+from ftbench.errors import ConfigError, TooFewNodes
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan, pipelines_plan
 from ftbench.planning.oobleck import (STAGE_PER, Templates, Unrecoverable, grow, instantiate, reconfigure,
@@ -67,18 +67,18 @@ class Oobleck:
                               "strategy.stage_per=gpu (pools a node's memory), or a smaller model")
         self.n0 = n0
         nodes = cluster.nodes
-        lo, hi = template_range(n0, nodes, self.f)
-        if hi < lo:
-            raise ConfigError("strategy.f", f"{nodes} nodes cannot form f+1 = {self.f + 1} pipelines of n0 = {n0} nodes "
-                              f"({self.ctx.spec.name} needs {n0} node(s) per pipeline)",
+        live = sorted(n for n in cluster.alive if n < nodes)
+        if len(live) < (self.f + 1) * n0:  # (then also n_max = N - f*n0 < n0: no template range)
+            raise TooFewNodes("strategy.f", f"{len(live)} nodes cannot form f+1 = {self.f + 1} pipelines of n0 = {n0} "
+                              f"nodes ({self.ctx.spec.name} needs {n0} node(s) per pipeline)",
                               f"lower strategy.f, or use at least {(self.f + 1) * n0} nodes")
+        lo, hi = template_range(n0, nodes, self.f)
         self.sizes = [n for n in range(lo, min(hi, t.longest) + 1) if t.get(n) is not None]
         # The layer count, or memory, can rule out sizes up to n_max; then some counts may lack a set.
         self.coverage_gaps = uncovered(self.sizes, self.f, (self.f + 1) * n0, nodes)
         if self.coverage_gaps:
             warnings.warn(f"oobleck: no set of f+1 or more pipelines of the template sizes {self.sizes} uses exactly "
                           f"{self.coverage_gaps} live nodes; at those counts some nodes wait idle", stacklevel=2)
-        live = sorted(n for n in cluster.alive if n < nodes)
         found = None
         for used in range(len(live), (self.f + 1) * n0 - 1, -1):  # every node if the sizes allow, else most
             found = instantiate(t, self.sizes, used, self.f, self.microbatches)

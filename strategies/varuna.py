@@ -7,6 +7,12 @@ per parameter, so any partition can read them). The shape is chosen the way Varu
 by simulating each candidate with the cost model; candidates that do not fit in memory are
 skipped. When nodes come back and a bigger shape would train faster, the job checkpoints at
 the iteration boundary and restarts in that shape ("morphs up"), losing no iterations.
+
+Checkpoints follow the Oobleck artifact's Varuna (its simulator, the Varuna column of
+Oobleck's Table 2): every `every` iterations (the artifact: 10), and also right after the
+first iteration that completes after each restart or morph (`checkpoint_after_change`), so
+a job hit again soon after a restart keeps its progress whatever the interval. Each is a
+normal save; `strategy.save_s` can give its stall as the artifact measured it.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from ftbench.strategies.checkpoint import CheckpointRestart
 class Varuna(CheckpointRestart):
     name = "varuna"
     checkpoint_mode = FILE
+    checkpoint_after_change = True  # a checkpoint once one iteration completes in the new shape
 
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)

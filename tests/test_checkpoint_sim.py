@@ -33,6 +33,21 @@ def test_checkpoint_restart_time_is_accounted_exactly(tmp_path, run_config):
     assert s["time_s"] == pytest.approx(expected, rel=1e-9)
 
 
+def test_ettr_of_checkpoint_restart_by_hand(tmp_path, run_config):
+    """ETTR from the summary's own numbers: the 50 iterations of the final model count, each
+    once; the 5 lost ones, the half iteration the failure cut short, the recovery and the
+    checkpoint stalls do not."""
+    s = run_config(*SIM, *FAIL_25, "strategy=checkpoint", "strategy.every=10")
+    T, stall = s["iteration_time_s"], metrics(tmp_path, "checkpoint_interval")[0]["stall_s"]
+    (r,) = s["recoveries"]
+    assert (s["iterations"], s["lost_iterations"], s["checkpoints"]) == (50, 5, 5)  # saves after 0, 10, 20, 30, 40
+    time_s = (s["iterations"] + s["lost_iterations"] + 0.5) * T + r["recovery_s"] + s["checkpoints"] * stall
+    assert s["time_s"] == pytest.approx(time_s, rel=1e-9)
+    assert s["productive_s"] == pytest.approx(s["iterations"] * T, rel=1e-12)
+    assert s["ettr"] == pytest.approx(50 * T / time_s, abs=1e-6) and s["ettr"] == round(s["ettr"], 6)
+    assert 0.07 < s["ettr"] < 0.09  # a minute's recovery against 6 s of training
+
+
 def test_recovery_costs_follow_the_hardware_profile(tmp_path):
     from conftest import run
 

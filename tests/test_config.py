@@ -93,7 +93,8 @@ def test_semantic_errors_name_the_setting_and_the_fix(overrides, setting):
     (["failures=scripted", "failures.events=[{iteration:1,node:99}]"], "failures.events[0]"),
     (["failures=trace", "failures.path=nosuch.csv"], "failures.path"),
     (["cluster.nodes=3"], "cluster.nodes"),  # pp*dp = 8 workers need 8 nodes
-    (["failures=trace", "failures.path=6h.csv"], "failures.path"),  # 30 nodes in the trace, 8 in the cluster
+    (["failures=trace", "failures.path=6h.csv", "cluster.nodes=8"], "cluster.nodes"),  # 30 nodes in the trace, 8 set
+    (["failures=trace", "failures.path=6h.csv", "cluster.pp=8", "cluster.dp=4"], "cluster.dp"),  # a grid of 32 on 30
     (["strategy.name=nosuch"], "strategy"),
     (["backend=dist", "failures=poisson", "failures.mtbf_hours=1"], "failures"),  # dist: scripted failures only
 ])

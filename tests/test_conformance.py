@@ -76,5 +76,8 @@ def test_sim_and_local_agree(tmp_path, scripts, strategy, script):
     local = run(tmp_path / "local", "backend=local", "backend.clock=model", *overrides)
     assert sim["status"] != "error", sim["error"]
     assert _trace(tmp_path / "local", local) == _trace(tmp_path / "sim", sim)
+    # the same iterations count, at the same modelled times: the same ETTR
+    assert local["productive_s"] == pytest.approx(sim["productive_s"], rel=1e-9)
+    assert local["ettr"] == pytest.approx(sim["ettr"], abs=2e-6)
     if strategy != "none" and script != "two in one stage":
         assert sim["failures"] >= 1 and sim["status"] == "ok", sim["error"]

@@ -78,6 +78,10 @@ def test_checkpoint_restart_onto_a_standby_after_a_real_kill(tmp_path):
     assert summary["processes"] == 6  # 2 nodes + 1 standby, 2 GPUs each
     (recovery,) = summary["recoveries"]
     assert recovery["restored_iteration"] == 2 and recovery["lost_iterations"] == 1
+    # ETTR: the measured times of the 6 iterations kept (iteration 2 at its redo) over the wall time
+    kept = {r["iteration"]: r["iteration_s"] for r in lines if r["event"] == "iteration"}
+    assert sorted(kept) == list(range(6)) and summary["productive_s"] == pytest.approx(sum(kept.values()), rel=1e-9)
+    assert 0 < summary["ettr"] < 1
 
 
 def test_recycle_reroutes_in_place_when_the_leader_node_dies(tmp_path):
@@ -126,6 +130,7 @@ def test_dist_agrees_with_sim(tmp_path, strategy, events):
     dist_summary, _ = run_dist(tmp_path / "dist", "backend.clock=model", "report.progress=false",
                                "backend.timeout_s=30", *overrides, setup=CONFORMANCE)
     assert _trace(tmp_path / "dist", dist_summary) == _trace(tmp_path / "sim", sim)
+    assert dist_summary["ettr"] == pytest.approx(sim["ettr"], abs=2e-6)  # the same iterations count, at the same times
 
 
 @pytest.mark.parametrize("strategy,kill,node,dead,extra", [

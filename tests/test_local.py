@@ -97,6 +97,29 @@ def test_local_summary_and_metrics(tmp_path):
     assert len(s["peak_memory_bytes"]) == 8 and min(s["peak_memory_bytes"]) > 0
 
 
+def test_local_ettr_counts_the_kept_iterations(tmp_path):
+    """Wall clock: ETTR is the measured time of the iterations the final model holds (iteration
+    4, lost to the failure, counts once, at its redo) over the run's wall time."""
+    s = run(tmp_path, *LOCAL, "strategy=checkpoint", *ONE_FAILURE)
+    assert s["status"] == "ok" and s["lost_iterations"] == 1
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    kept = {x["iteration"]: x["iteration_s"] for x in lines if x.get("event") == "iteration"}  # the redo comes last
+    assert sorted(kept) == list(range(10))
+    assert s["productive_s"] == pytest.approx(sum(kept.values()), rel=1e-9)
+    assert 0 < s["productive_s"] < s["time_s"] and 0 < s["ettr"] < 1
+    assert s["ettr"] == pytest.approx(s["productive_s"] / s["time_s"], abs=1e-6)
+
+
+def test_local_ettr_is_lower_with_a_failure(tmp_path):
+    """The modelled clock makes the comparison exact: the same setup with and without a failure."""
+    setup = (*LOCAL, "strategy=checkpoint", "backend.clock=model")
+    faulty = run(tmp_path / "faulty", *setup, *ONE_FAILURE)
+    fault_free = run(tmp_path / "fault-free", *setup, "failures=none")
+    assert faulty["status"] == fault_free["status"] == "ok"
+    assert faulty["productive_s"] == pytest.approx(fault_free["productive_s"], rel=1e-12)  # the same 10 iterations
+    assert 0 < faulty["ettr"] < fault_free["ettr"] < 1  # fault-free still stalls for its checkpoints
+
+
 def test_truncated_checkpoint_is_skipped_with_a_warning(tmp_path, monkeypatch):
     save = CheckpointStore.save
 

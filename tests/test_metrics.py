@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ftbench.metrics import (
-    STATUSES, SUMMARY_KEYS, MetricsWriter, WandbSink, log_sweep_table, read_metrics, sweep_rows,
-    wandb_group, write_summary,
+    STATUSES, SUMMARY_KEYS, MetricsWriter, WandbSink, ettr, log_sweep_table, read_metrics, summary_ettr,
+    sweep_rows, wandb_group, write_summary,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,7 +219,26 @@ def test_sink_rows_keep_events_apart_on_the_iteration_axis(tmp_path, monkeypatch
     assert run.summary["throughput"] == 12.8 and run.summary["status"] == "ok"
     assert run.summary["recoveries_count"] == 1 and run.summary["lost_iterations_total"] == 2
     assert "recoveries" not in run.summary  # lists stay in summary.json
+    assert run.summary["ettr"] is None  # full_summary has no productive time
     assert not sink.active
+
+
+def test_ettr_is_productive_time_over_run_time(tmp_path, monkeypatch):
+    assert {"ettr", "productive_s"} <= set(SUMMARY_KEYS)
+    assert ettr(9.0, 10.0) == 0.9 and ettr(10.0, 10.0) == 1.0 and ettr(0.0, 10.0) == 0.0
+    assert ettr(2.0, 3.0) == 0.666667  # rounded to 6 decimals
+    assert ettr(10.000000001, 10.0) == 1.0  # float noise never leaves [0, 1]
+    assert ettr(1.0, 0.0) is None and ettr(None, 10.0) is None and ettr(1.0, None) is None
+    assert summary_ettr({"ettr": 0.5, "productive_s": 1.0, "time_s": 10.0}) == 0.5  # the recorded value wins
+    assert summary_ettr({"productive_s": 1.0, "time_s": 10.0}) == 0.1  # a summary without it
+    assert summary_ettr({"time_s": 10.0}) is None
+
+    run = FakeRun()
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(lambda **kwargs: run))
+    WandbSink(wandb_cfg("offline"), tmp_path, "r1", "none", None, {}).finish(
+        full_summary(ettr=0.8, productive_s=10.0, run_dir=str(tmp_path)))
+    assert run.summary["ettr"] == 0.8 and run.summary["productive_s"] == 10.0
 
 
 def test_sim_sink_uses_simulated_time_as_the_step_metric(tmp_path, monkeypatch):
@@ -280,6 +299,7 @@ def test_sweep_rows_and_table(tmp_path, monkeypatch):
     assert [(r["run"], r["strategy"], r["recoveries"], r["lost_iterations"]) for r in table] == [
         ("0_none", "none", 0, 0), ("1_checkpoint", "checkpoint", 1, 1)]
     assert table[0]["peak_memory_gb"] == pytest.approx(2e-6)
+    assert columns.index("ettr") == columns.index("throughput") + 1 and table[0]["ettr"] is None
 
     run = FakeRun()
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(lambda **kwargs: run))
@@ -476,6 +496,7 @@ def test_offline_local_run_has_every_iteration_and_event_in_wandb(offline_sweep)
     for update in of_type(records, "summary"):
         summary.update({item.key or "/".join(item.nested_key): item.value_json for item in update.update})
     assert json.loads(summary["status"]) == "ok" and json.loads(summary["recoveries_count"]) == 1
+    assert 0 < json.loads(summary["ettr"]) < 1 and json.loads(summary["productive_s"]) > 0
 
 
 def test_offline_sim_run_charts_against_simulated_time_and_logs_the_gantt(offline_sweep):

@@ -121,6 +121,17 @@ def test_format_summary_shows_status_and_throughput():
     assert "4" in text.split("lost iterations")[1].splitlines()[0]
 
 
+def test_format_summary_shows_ettr_as_a_percentage():
+    def ettr_line(**changes):
+        return next(line for line in format_summary(summary(**changes)).splitlines() if line.startswith("ETTR"))
+
+    assert ettr_line(ettr=0.973124, productive_s=7006.5).split() == ["ETTR", "97.3", "%"]
+    assert ettr_line(ettr=1.0).endswith(" 100.0 %")
+    assert ettr_line(ettr=0.99996).endswith(" 99.9 %")  # not 100 % while time was lost
+    assert ettr_line(ettr=None, productive_s=3600.0).endswith(" 50.0 %")  # from productive_s / time_s
+    assert ettr_line(time_s=0.0).endswith(" -")
+
+
 def test_format_summary_of_a_failed_run_with_few_keys():
     text = format_summary({"status": "oom", "error": "stage 3 needs 50 GB", "backend": "local"})
     assert "oom: stage 3 needs 50 GB" in text
@@ -239,6 +250,19 @@ def test_default_columns_show_recovery_lost_iterations_and_iteration_time(tmp_pa
     row = dict(zip(header, [c.strip() for c in lines[2].strip("|").split("|")]))
     assert row["recovery total (sim s)"] == "120" and row["lost iterations"] == "4"
     assert row["iteration (sim s)"] == "0.25"
+
+
+def test_ettr_column_follows_throughput(tmp_path):
+    assert DEFAULT_COLUMNS.index("ettr") == DEFAULT_COLUMNS.index("throughput") + 1
+    write_summary(tmp_path / "0", summary(ettr=0.973124))
+    write_summary(tmp_path / "1", summary(strategy="none", ettr=None, productive_s=1800.0))  # ettr left out: derived
+    lines = runs_table(load_runs([tmp_path])).splitlines()
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    assert header[header.index("throughput (samples/sim s)") + 1] == "ETTR"
+    rows = [dict(zip(header, [c.strip() for c in line.strip("|").split("|")])) for line in lines[2:]]
+    assert [row["ETTR"] for row in rows] == ["0.9731", "0.25"]
+    table = list(csv.DictReader(io.StringIO(runs_table(load_runs([tmp_path]), fmt="csv"))))
+    assert [float(row["ETTR"]) for row in table] == [pytest.approx(0.9731), 0.25]
 
 
 def test_headers_state_the_clock(tmp_path):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import compose
+from conftest import compose, run
 from ftbench.context import RunContext
 from ftbench.metrics import SUMMARY_KEYS, read_metrics
 
@@ -19,6 +19,7 @@ def test_fault_free_run_writes_the_contract(tmp_path, run_config):
     assert s["iterations"] == 50 and s["samples"] == 50 * 16
     assert s["time_s"] == pytest.approx(50 * s["iteration_time_s"])
     assert s["throughput"] == pytest.approx(s["samples"] / s["time_s"])
+    assert s["ettr"] == 1.0 and s["productive_s"] == pytest.approx(s["time_s"], rel=1e-12)  # no failure, no checkpoint
     assert len(s["peak_memory_bytes"]) == 8
     assert (tmp_path / "gantt.png").stat().st_size > 10_000
     events = [r["event"] for r in read_metrics(tmp_path / "metrics.jsonl")]
@@ -154,3 +155,40 @@ def test_a_crash_keeps_metrics_and_summary(tmp_path, monkeypatch, crash):
     assert summary["status"] == "error" and summary["error"]
     assert read_metrics(tmp_path / "metrics.jsonl")[-1]["event"] == "error"
     assert (tmp_path / "error.txt").exists() == isinstance(crash, RuntimeError)
+
+
+def kept_seconds(lines: list[dict]) -> float:
+    """productive_s replayed from metrics.jsonl: every iteration index, at the time of the last
+    line that ran it (a rollback's redo comes after the lost run, so the last line is the kept one)."""
+    kept = {}
+    for line in lines:
+        if line["event"] == "iterations":  # sim: a segment of identical iterations
+            kept.update(dict.fromkeys(range(line["first"], line["last"] + 1), line["iteration_time_s"]))
+        elif line["event"] == "iteration":  # local, dist: one iteration, measured
+            kept[line["iteration"]] = line["iteration_s"]
+        elif line["event"] == "recovery":
+            kept = {i: t for i, t in kept.items() if i < line["restored_iteration"]}
+    return math.fsum(kept.values())
+
+
+TWO_FAILURES = ("failures=scripted", "failures.events=[{iteration:9,node:5},{iteration:22,node:2}]")
+
+
+@pytest.mark.parametrize("strategy,extra", [
+    ("checkpoint", ("strategy.every=4",)),
+    ("checkfreq", ("strategy.every=1", "hardware.storage_gbps=0.05")),  # falls back past a snapshot in flight
+    ("elastic-horovod", ()), ("varuna", ()), ("bamboo", ()), ("oobleck", ()), ("recycle", ()),
+])
+def test_ettr_counts_each_kept_iteration_once(tmp_path, run_config, strategy, extra):
+    """ETTR = productive_s / time_s, where productive_s is the time of the iterations the final
+    model holds (replayed from metrics.jsonl), at the plan they ran on; lower than fault-free."""
+    # elastic-horovod keeps no copy of a stage whose every replica failed: one failure only
+    failures = ("failures=scripted", "failures.events=[{iteration:9,node:5}]") if strategy == "elastic-horovod" \
+        else TWO_FAILURES
+    s = run_config(*MEDIUM, f"strategy={strategy}", *extra, *failures, "train.iterations=30", "report.gantt=false")
+    assert s["status"] == "ok" and s["failures"] == len(s["recoveries"]) >= 1, s["error"]
+    assert s["productive_s"] == pytest.approx(kept_seconds(read_metrics(tmp_path / "metrics.jsonl")), rel=1e-12)
+    assert s["ettr"] == round(s["productive_s"] / s["time_s"], 6)
+    fault_free = run(tmp_path / "fault-free", *MEDIUM, f"strategy={strategy}", *extra, "train.iterations=30",
+                     "report.gantt=false")
+    assert 0 < s["ettr"] < fault_free["ettr"] <= 1.0

@@ -1,0 +1,133 @@
+"""Paper tables as sweeps: the cell resolver, the sweeper's exclusions, job MTBF, the one fit
+per model, the report (table.md, table.csv, plots) and a re-run that skips finished cells."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftbench.calibrate import fit
+from ftbench.cli import compose, normalise
+from ftbench.errors import ConfigError
+from ftbench.failures import build_failure_script
+from ftbench.run import execute
+from ftbench.sweeper import keep_jobs
+from ftbench.tables import aggregate, cell_text, interval95, markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = ["wandb.mode=disabled", "report.gantt=false", "report.progress=false"]
+
+
+def test_plus_experiment_is_the_same_as_experiment():
+    assert normalise(["+experiment=recycle-table", "seed=1"]) == ["experiment=recycle-table", "seed=1"]
+    assert compose(["+experiment=recycle-table"]).table.name == "recycle"
+
+
+def test_cells_resolve_dotted_model_names_and_columns():
+    cfg = compose(["+experiment=recycle-table", "model=gpt3-3.35b", "table.column=2h"])
+    assert (cfg.cluster.pp, cfg.cluster.dp, cfg.train.microbatches) == (4, 4, 8)
+    assert cfg.failures.job_mtbf_hours == 2.0 and cfg.calibrate.throughput == 14.87
+    six = compose(["+experiment=recycle-table", "model=gpt3-6.7b"])
+    assert (six.cluster.pp, six.train.microbatches) == (8, 16)
+    per_strategy = compose(["+experiment=oobleck-table2", "model=gpt3-2.7b", "strategy=bamboo"])
+    assert (per_strategy.cluster.pp, per_strategy.cluster.dp) == (6, 20)
+
+
+def test_a_model_outside_the_table_names_the_setting():
+    cfg = compose(["+experiment=recycle-table", "model=gpt3-xl"])
+    with pytest.raises(Exception, match="gpt3-xl"):
+        _ = cfg.cluster.pp
+
+
+def test_exclusions_leave_out_matching_jobs_only():
+    jobs = [[f"strategy={s}", f"table.column={c}", f"seed={k}"]
+            for s in ("none", "recycle") for c in ("fault-free", "6h") for k in (0, 1)]
+    kept = keep_jobs(jobs, [{"strategy": "none", "table.column": ["6h"]},
+                            {"table.column": "fault-free", "seed": [1]}])
+    assert kept == [["strategy=none", "table.column=fault-free", "seed=0"],
+                    ["strategy=recycle", "table.column=fault-free", "seed=0"],
+                    ["strategy=recycle", "table.column=6h", "seed=0"],
+                    ["strategy=recycle", "table.column=6h", "seed=1"]]
+
+
+def test_job_mtbf_is_the_node_mtbf_over_the_nodes():
+    job = compose(["backend=sim", "failures=poisson", "failures.mtbf_hours=null", "failures.job_mtbf_hours=2"])
+    node = compose(["backend=sim", "failures=poisson", "failures.mtbf_hours=32"])
+    first = [next(build_failure_script(c.failures, 16, seed=3).by_time) for c in (job, node)]
+    assert first[0] == first[1]  # 16 nodes at 32 h each: the job's 2 h
+    both = compose(["backend=sim", "failures=poisson", "failures.job_mtbf_hours=2"])
+    with pytest.raises(ConfigError, match="failures.job_mtbf_hours"):
+        build_failure_script(both.failures, 16, seed=0)
+    none = compose(["backend=sim", "failures=poisson", "failures.count=0"])
+    assert list(build_failure_script(none.failures, 16, seed=0).by_time) == []
+
+
+def test_interval_uses_student_t():
+    mean, half = interval95([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / 3 ** 0.5)
+    assert interval95([5.0]) == (5.0, None)
+
+
+def test_the_fit_meets_the_target_and_is_shared(tmp_path):
+    cfg = compose(["+experiment=recycle-table", "model=gpt3-medium", "strategy=recycle", *QUIET])
+    result = fit(cfg, tmp_path)
+    assert result["reference"] == "none" and result["target"] == 27.58
+    assert result["reached"] == pytest.approx(27.58, rel=2e-4) and result["reached"] >= 27.58
+    assert json.loads((tmp_path / ".calibration.json").read_text())  # the sweep's cache
+    other = compose(["+experiment=recycle-table", "model=gpt3-medium", "strategy=oobleck", "seed=2", *QUIET])
+    assert fit(other, tmp_path) == result  # every cell of a model shares the model's one fit
+    # The fitted run really trains at the target: the fit is a cell's own result, not a lookup.
+    ran = execute(compose(["+experiment=recycle-table", "model=gpt3-medium", "strategy=none",
+                           "table.column=fault-free", *QUIET]), tmp_path / "run", echo=lambda *_: None)
+    assert ran["status"] == "ok" and ran["throughput"] == pytest.approx(27.58, rel=2e-4)
+    assert ran["calibration"]["efficiency"] == ran["efficiency"] == result["efficiency"]
+
+
+def _summary(model, strategy, column, seed, throughput, status="ok"):
+    return {"model": model, "strategy": strategy, "table": {"name": "t", "column": column}, "seed": seed,
+            "status": status, "throughput": throughput, "ettr": 0.9, "peak_memory_bytes": [1e9]}
+
+
+def test_cells_aggregate_with_the_paper_beside_them():
+    spec = {"name": "t", "rows": {"recycle": "ReCycle", "oobleck": "Oobleck"},
+            "columns": {"fault-free": {}, "6h": {"hours": 6}}, "models": {"m": {"label": "M"}},
+            "paper": {"m": {"ReCycle": {"6h": 10.0}, "Oobleck": {"6h": "OOM"}}}}
+    cells = [_summary("m", "recycle", "6h", k, v) for k, v in enumerate([9.0, 10.0, 11.0])]
+    cells += [_summary("m", "oobleck", "6h", 0, 0.0, status="oom")]
+    records = {r["system"]: r for r in aggregate(spec, cells)}
+    recycle = records["ReCycle"]
+    assert recycle["seeds"] == 3 and recycle["throughput"] == 10.0 and recycle["ratio"] == 1.0
+    assert cell_text(recycle) == "10.00 ± 2.48 (10, 1.00×)"
+    assert cell_text(records["Oobleck"]) == "OOM (OOM)"
+    text = markdown(spec, list(records.values()))
+    assert "column orderings as in the paper: 1 of 1" in text
+    assert "OOM exactly where the paper has it: 1 of 1" in text
+
+
+@pytest.mark.slow
+def test_a_table_sweep_writes_its_report_and_a_rerun_skips_done_cells(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = [sys.executable, "-m", "ftbench", "--multirun", "+experiment=recycle-table",
+            "model=gpt3-medium", "strategy=none,recycle", "table.column=fault-free,30m", "seed=0,1",
+            "train.max_hours=3", f"hydra.sweep.dir={sweep}", "wandb.mode=disabled"]
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    first = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "4 jobs (4 left out by hydra.sweeper.exclude)" in first.stderr
+    for name in ("table.md", "table.csv", "throughput_vs_failures.png", "throughput_over_time.png"):
+        assert (sweep / name).stat().st_size > 0, name
+    rows = list(csv.DictReader(open(sweep / "table.csv")))
+    cells = {(r["system"], r["column"]): r for r in rows}
+    assert cells[("ReCycle", "30m")]["seeds"] == "2" and cells[("ReCycle", "30m")]["paper"] == "22.27"
+    assert float(cells[("fault-free DeepSpeed", "fault-free")]["ratio"]) == pytest.approx(1.0, rel=1e-3)
+    done = sweep / "gpt3-medium" / "30m" / "recycle" / "seed1" / "summary.json"
+    before = json.loads(done.read_text())
+    second = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stdout.count("skipped (report.skip_done)") == 4
+    assert json.loads(done.read_text()) == before
