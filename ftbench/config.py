@@ -137,6 +137,7 @@ class CheckpointConfig(StrategyConfig):
     keep: int = 2  # checkpoints kept on storage (local backend)
     overhead_bound: float = 0.035  # checkfreq: largest fraction of iteration time spent stalled on snapshots
     save_s: Optional[float] = None  # fixed checkpoint save stall in seconds (null: bytes over hardware.storage_gbps)
+    start: str = "configured"  # varuna: configured (the grid cluster.pp x cluster.dp) | fastest (its fastest shape that fits on the job's GPUs, as Varuna's own planner picks)
 
 
 @dataclass
@@ -149,7 +150,8 @@ class ReCycleConfig(CheckpointConfig):
     milp_time_limit_s: float = 30.0  # CBC time limit per plan; the best plan found by then is used
     plan_cache: Optional[str] = "runs/plan-cache"  # folder of cached plans (null: keep them in memory only)
     fallback: str = "none"  # none (no re-routing possible, or none fits in memory, ends the run) | checkpoint (restart from checkpoints)
-    fault_free: str = "schedule"  # plan with no failure: schedule (the configured train schedule, as `none` runs it) | planned (the level's own plan)
+    fault_free: str = "planned"  # plan with no failure: planned (the level's own plan of the fault-free grid: its
+    # failure plans' reference) | schedule (the configured train schedule, as `none` runs it: parity with `none`)
 
 
 @dataclass
@@ -208,6 +210,7 @@ class TableConfig:
     columns: Any = field(default_factory=dict)  # column -> its settings (failure rate, trace, ...)
     models: Any = field(default_factory=dict)  # model -> its setup (grid, batch, fitted target, ...)
     rows: Any = field(default_factory=dict)  # strategy -> the paper's row label
+    strategies: Any = field(default_factory=dict)  # strategy -> its own settings in this table (e.g. {varuna: {save_s: 11.2}})
     paper: Any = field(default_factory=dict)  # model -> row label -> column -> published value ("OOM" or a number)
     sources: Any = field(default_factory=dict)  # setting -> where its value comes from, or "assumption: ..."
 

@@ -6,12 +6,12 @@ sweep with no "ok" job exit non-zero).
 CLI: `python -m ftbench.report RUN_OR_SWEEP_DIR... [--csv] [--out FILE] [--columns A,B]
 [--per-run]`. Default columns: strategy, one per swept key, model, schedule, backend, pp, dp,
 microbatches, iterations, time, iteration time, throughput, ETTR (`ettr`: productive time over
-the run's time), failures, recovery total, lost iterations, status. Times are in the run's clock, named in the header: `sim s` (the cost
-model: sim, or local with backend.clock=model) or `wall s` (measured); a table that mixes
-them says `s` and adds a `clock` column. Iteration time: sim, one iteration of the first plan;
-local, the median over its iterations (metrics.jsonl). Runs that differ only in the seed
-share a row: numbers that differ show mean ± sample standard deviation (`--per-run`: no
-grouping).
+the run's time), failures, recovery total, lost iterations, status. Times are in the run's
+clock, named in the header: `sim s` (the cost model: sim, or local with backend.clock=model)
+or `wall s` (measured); a table that mixes them says `s` and adds a `clock` column.
+Iteration time: sim, one iteration of the first plan; local, the median over its iterations
+(metrics.jsonl). Runs that differ only in the seed share a row: numbers that differ show
+mean ± sample standard deviation (`--per-run`: no grouping).
 """
 from __future__ import annotations
 

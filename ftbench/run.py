@@ -86,6 +86,7 @@ def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, met
              cache_dir: Path | None = None) -> None:
     sink = None
     try:
+        table_strategy_settings(cfg)
         calibration = calibrate(cfg, cache_dir)  # before the sink records the config: the fitted efficiency
         if calibration is not None:
             summary["calibration"] = calibration
@@ -139,6 +140,22 @@ def _base_summary(cfg, overrides: list[str] | None = None, swept: list[str] | No
             "recoveries": [], "peak_memory_bytes": [], "status": "error", "error": None, "seed": cfg.seed,
             "overrides": [str(o) for o in overrides or []], "swept": [str(k) for k in swept or []],
             **({"table": {"name": cfg.table.name, "column": cfg.table.column}} if cfg.table.name else {})}
+
+
+def table_strategy_settings(cfg) -> None:
+    """A paper table's settings for this cell's system (`table.strategies.<name>`, e.g. Varuna's
+    measured save time), merged into `strategy`: a table sets each system's own fields without
+    making them settings of the others."""
+    own = (cfg.table.get("strategies") or {}).get(str(cfg.strategy.name)) if cfg.table.name else None
+    if own:
+        from omegaconf import OmegaConf
+
+        for key, value in own.items():
+            if key not in cfg.strategy:
+                raise ConfigError(f"table.strategies.{cfg.strategy.name}.{key}",
+                                  f"strategy '{cfg.strategy.name}' has no setting '{key}'",
+                                  f"use one of {', '.join(map(str, cfg.strategy.keys()))}")
+            OmegaConf.update(cfg, f"strategy.{key}", value, merge=True)
 
 
 def simulate(cfg, run_dir: Path) -> dict:

@@ -12,10 +12,16 @@ Schedules for every normalised failure configuration up to `plan_ahead` failed n
 planned before training (MILP for small instances, list-scheduling heuristic for large ones;
 ftbench.planning) and cached on disk; a failure only switches to a stored plan.
 
-With no failure the job runs the configured `train` schedule (1F1B unless set), exactly as
-`none` does, so fault-free throughput is the baseline's; the adaptive plans start at the
-first failure and end when the last failed node rejoins (`fault_free: planned` runs the
-level's own plan of the fault-free grid instead, for the ablation).
+With no failure the job runs the level's own plan of the fault-free grid (`fault_free:
+planned`, the default): the same planner, priority rules, memory caps and mechanisms as
+the failure plans, on the problem without failed workers. That plan is the reference the
+failure plans are compared with: a failed worker only adds re-routed work, so its plan is
+no faster (tests/test_recycle_reference.py, on the ablation's grids). The one exception
+found is a failure that shrinks a stage's data-parallel group: its ring all-reduce then
+moves less, and nothing with one replica left. `fault_free: schedule` runs the configured
+`train` schedule (1F1B unless set) instead, exactly as `none` does, for parity with the
+baseline; a plan with decoupled B/W and a failed worker is then faster than the fault-free
+run.
 
 Plans respect the GPU's memory: each worker's stash and W-deferral caps follow from the cost
 model's memory (weights, gradients and Adam state, stashed activations, recomputation), so

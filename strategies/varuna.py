@@ -20,6 +20,7 @@ from math import gcd
 
 from ftbench.actions import FILE, RestartJob, RestoreCheckpoint, SaveCheckpoint
 from ftbench.cluster import Cluster
+from ftbench.errors import ConfigError
 from ftbench.costs import PlanCosts
 from ftbench.failures import FailureEvent
 from ftbench.layers import GradientSync
@@ -44,6 +45,17 @@ class Varuna(CheckpointRestart):
     def plan(self, cluster: Cluster) -> Plan:
         if self.configured_pp is None:
             self.configured_pp = cluster.pp
+        start = self.cfg.get("start", "configured")
+        if start not in ("configured", "fastest"):
+            raise ConfigError("strategy.start", f"unknown start '{start}'", "use configured or fastest")
+        if start == "fastest" and not getattr(self, "_started", False):
+            self._started = True  # later plans (a checkpoint restart's) are the morphs' business
+            alive = self.alive_workers(cluster)
+            best = self.best_shape(len(alive), cluster.gpus_per_node)
+            if best is None:
+                raise ConfigError("strategy.start", f"no (pp, dp) shape of {self.ctx.spec.name} fits in memory on "
+                                  f"{len(alive)} GPUs", "use more GPUs, a GPU with more memory, or recompute")
+            return self._morph(cluster, best, alive)
         return super().plan(cluster)
 
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:

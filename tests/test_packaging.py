@@ -22,8 +22,11 @@ def test_a_wheel_installs_and_runs_from_anywhere(tmp_path):
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
                               str(wheel)], capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stderr[-2000:]
-    assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info")) in (["ftbench"],
-                                                                                        ["bin", "ftbench"])
+    # ftbench, and the paper tables' sweeper where Hydra looks for plugins (hydra_plugins/)
+    assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info")) in (
+        ["ftbench", "hydra_plugins"], ["bin", "ftbench", "hydra_plugins"])
+    assert (site / "hydra_plugins" / "ftbench_sweeper" / "cell_sweeper.py").is_file()
+    assert not (site / "hydra_plugins" / "__init__.py").exists()  # a namespace package, shared with other plugins
     assert (site / "ftbench" / "conf" / "config.yaml").is_file() and (site / "ftbench" / "conf" / "traces").is_dir()
     env = dict(os.environ, PYTHONPATH=str(site), WANDB_MODE="disabled")
     check = subprocess.run([sys.executable, "-c", "import ftbench.cli, ftbench.strategies, ftbench.models; "
