@@ -38,3 +38,15 @@ def load_state(path) -> dict[str, torch.Tensor]:
 
     model = GPT2LMHeadModel.from_pretrained(path, dtype="auto")  # as saved: float64 stays float64
     return {k: v for k, v in model.state_dict().items() if not k.endswith(".attn.bias")}
+
+
+def divergence_error(difference: str, dtype: str, segments: list[dict] | None) -> str:
+    """The run's error when it differs from fault-free training. In float32 a run whose shape
+    changed (a data-parallel width or pipeline shape another than the reference's) sums
+    gradients in another order; Adam turns that rounding, in gradients near its epsilon, into
+    differences above float32 tolerance, so the message says how to tell it from a bug."""
+    error = f"training under failures differs from fault-free training: {difference}"
+    if dtype == "float32" and len({s.get("shape") for s in segments or []}) > 1:
+        error += (" (this float32 run changed shape, which sums gradients in another order and Adam "
+                  "amplifies that rounding; check it in float64: backend.dtype=float64)")
+    return error

@@ -256,7 +256,7 @@ def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: s
     threads = configure_threads(cfg.backend, ctx.spec)  # before any torch work (ftbench/threads.py)
     from ftbench.engine.backend import LocalBackend
     from ftbench.engine.local import check_fits_host
-    from ftbench.equivalence import compare
+    from ftbench.equivalence import compare, divergence_error
     from ftbench.models.gpt import save_pretrained
 
     check_fits_host(ctx, cfg.cluster.dp, cfg.backend.dtype)
@@ -280,8 +280,8 @@ def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: s
             result["fault_free_difference"] = difference
             log({"event": "equivalence", "matches_fault_free": difference is None, "difference": difference})
             if difference is not None:  # the strategy trained another model: a harness or strategy bug
-                result.update(status="diverged", error=f"training under failures differs from fault-free "
-                              f"training: {difference}")
+                result.update(status="diverged", error=divergence_error(difference, cfg.backend.dtype,
+                                                                        result.get("plan_segments")))
     log({"event": "end", "status": outcome.status, "iterations": outcome.iterations, "time_s": outcome.time_s})
     return result
 

@@ -99,10 +99,11 @@ def test_recycle_reroutes_in_place_when_the_leader_node_dies(tmp_path):
 def test_a_seeded_random_kill(tmp_path, strategy):
     """A node and an iteration drawn from a seed (not picked by hand) for the strategies that
     reshape onto the survivors: peer copies (Elastic Horovod) and a new pipeline shape from
-    checkpoint files (Varuna, in float64: its reshape sums gradients in another order)."""
+    checkpoint files (Varuna), both in float64: a reshape sums gradients in another order, and
+    in float32 Adam amplifies that rounding past the check's tolerance on some CPUs."""
     rng = random.Random(f"dist-{strategy}")
     node, iteration = rng.randrange(4), rng.randrange(1, 5)
-    extra = ["backend.dtype=float64", "strategy.every=2"] if strategy == "varuna" else []
+    extra = ["backend.dtype=float64"] + (["strategy.every=2"] if strategy == "varuna" else [])
     summary, lines = run_dist(tmp_path, f"strategy={strategy}", "cluster.gpus_per_node=1", *extra,
                               f"failures.events=[{{iteration:{iteration},node:{node}}}]")
     _assert_complete(summary, lines, node, iteration)
@@ -135,7 +136,8 @@ def test_dist_agrees_with_sim(tmp_path, strategy, events):
 
 @pytest.mark.parametrize("strategy,kill,node,dead,extra", [
     # rank 3 dies in the middle of iteration 2: its node's other process (rank 2) goes too
-    ("elastic-horovod", "3:2:7", 1, [2, 3], ("cluster.gpus_per_node=2",)),
+    # (float64: the job continues at dp 1, which sums gradients in another order)
+    ("elastic-horovod", "3:2:7", 1, [2, 3], ("cluster.gpus_per_node=2", "backend.dtype=float64")),
     # the leader dies after its last op of iteration 3, when stage 1's replicas have already
     # stepped: they must roll back to the iteration's start, or training would differ
     ("recycle", "0:3:99", 0, [0], ()),

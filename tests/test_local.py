@@ -261,3 +261,13 @@ def test_a_node_lost_during_a_recovery_fails_next(tmp_path, monkeypatch, strateg
     lines = [json.loads(x) for x in (tmp_path / "faulty" / "metrics.jsonl").read_text().splitlines()]
     fails = [(r["node"], r["iteration"]) for r in lines if r["event"] == "fail"]
     assert fails == [(1, 3), (3, first["restored_iteration"])]
+
+
+def test_a_float32_divergence_after_a_change_of_shape_says_how_to_check_it():
+    from ftbench.equivalence import divergence_error
+
+    reshaped = [{"shape": "pp=2 dp=2"}, {"shape": "pp=2 dp=1"}]
+    assert "backend.dtype=float64" in divergence_error("final weight w differs", "float32", reshaped)
+    # the same shape throughout, or float64: nothing excuses the difference
+    assert "float64" not in divergence_error("final weight w differs", "float32", reshaped[:1])
+    assert "float64" not in divergence_error("final weight w differs", "float64", reshaped)

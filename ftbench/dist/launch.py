@@ -211,7 +211,7 @@ def _check_fault_free(cfg, ctx, result: dict, log) -> None:
     """Compare with fault-free training of the same setup on the local backend."""
     from transformers.utils import logging as hf_logging
 
-    from ftbench.equivalence import compare, load_state
+    from ftbench.equivalence import compare, divergence_error, load_state
     from ftbench.run import fault_free_reference
 
     ref_losses, ref_state = fault_free_reference(cfg, ctx)
@@ -227,7 +227,7 @@ def _check_fault_free(cfg, ctx, result: dict, log) -> None:
     result["fault_free_difference"] = difference
     log({"event": "equivalence", "matches_fault_free": difference is None, "difference": difference})
     if difference is not None:
-        result.update(status="diverged", error=f"training differs from fault-free training: {difference}")
+        result.update(status="diverged", error=divergence_error(difference, cfg.backend.dtype, result.get("plan_segments")))
 
 
 def launch_training(job: dict, processes: int, log, timeout: float, deadline: float) -> dict:
