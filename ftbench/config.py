@@ -161,6 +161,7 @@ class OobleckConfig(StrategyConfig):
     f: int = 1  # failures to survive at once: templates for n0..N - f*n0 nodes, at least f+1 pipelines
     batch_split: str = "auto"  # milp (pulp/CBC) | greedy | auto (MILP up to 24 pipelines, else the greedy fill)
     stage_per: str = "node"  # node: one stage per node, its GPUs share it as lanes | gpu: a node's GPUs hold consecutive stages
+    min_nodes: Optional[int] = None  # the fewest nodes a pipeline has (null: n0, the fewest that hold the model); e.g. cluster.pp, to run Oobleck on the others' pipeline depth
 
 
 @dataclass
@@ -213,6 +214,7 @@ class TableConfig:
     strategies: Any = field(default_factory=dict)  # strategy -> its own settings in this table (e.g. {varuna: {save_s: 11.2}})
     paper: Any = field(default_factory=dict)  # model -> row label -> column -> published value ("OOM" or a number)
     sources: Any = field(default_factory=dict)  # setting -> where its value comes from, or "assumption: ..."
+    timeline: Any = field(default_factory=dict)  # {model, column} of throughput_over_time.png (empty: the first model, the last column)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """`oobleck`: Oobleck's pipeline templates and re-instantiation (Jang et al., SOSP 2023).
 
 Before training, a *pipeline template* is planned for every node count from n0 (the fewest
-nodes whose GPUs hold the model and its optimizer state) to N - f*n0, each with its own cut
+nodes whose GPUs hold the model and its optimizer state, or `strategy.min_nodes` where that
+is more: a comparison can hold Oobleck to the others' pipeline depth) to N - f*n0, each with its own cut
 of the layers (ftbench.planning.oobleck). The job runs as heterogeneous pipelines built from
 templates over every live node, at least f+1 of them, so every layer has f+1 holders on
 disjoint nodes; the global batch's micro-batches are split among the pipelines so the
@@ -35,6 +36,11 @@ class Oobleck:
     name = "oobleck"
     checkpoint_mode = None
 
+    @staticmethod
+    def sized_by_membership(cfg) -> bool:
+        """Its pipelines cover the live nodes (ftbench.run.sized_by_membership)."""
+        return True
+
     def __init__(self, cfg, ctx):
         self.cfg, self.ctx = cfg, ctx
         self.f = int(cfg.get("f", 1))
@@ -65,6 +71,12 @@ class Oobleck:
                               f"GPUs of {self.ctx.cost_model.hw.memory_gb:g} GB ({layout}, a layer per stage at most)",
                               "use GPUs with more memory (hardware=...), train.recompute=full, a smaller micro-batch, "
                               "strategy.stage_per=gpu (pools a node's memory), or a smaller model")
+        floor = self.cfg.get("min_nodes")
+        if floor is not None:
+            if int(floor) < 1:
+                raise ConfigError("strategy.min_nodes", f"must be at least 1 node, got {floor}",
+                                  "set strategy.min_nodes to a pipeline depth in nodes (e.g. cluster.pp), or null")
+            n0 = max(n0, int(floor))  # templates start at this depth: shallower pipelines are not built
         self.n0 = n0
         nodes = cluster.nodes
         live = sorted(n for n in cluster.alive if n < nodes)

@@ -210,8 +210,22 @@ def test_fewer_nodes_than_f_plus_one_pipelines_is_unrecoverable(tmp_path):
     ("strategy.f=5", "cannot form f+1 = 6 pipelines"),
     ("strategy.batch_split=exact", "unknown split 'exact'"),
     ("strategy.stage_per=rack", "unknown choice 'rack'"),
+    ("strategy.min_nodes=0", "at least 1 node"),
 ])
 def test_bad_settings_name_the_setting(tmp_path, override, message):
     summary = run(tmp_path, "backend=sim", "model=gpt-tiny", "strategy=oobleck", "cluster.pp=1", "cluster.dp=4", override)
     assert summary["status"] == "error" and message in summary["error"], summary["error"]
     assert override.split("=")[0] in summary["error"]
+
+
+def test_min_nodes_keeps_every_pipeline_at_least_that_deep(tmp_path):
+    """strategy.min_nodes raises n0: gpt-tiny fits on one node, so Oobleck alone runs 8 pipelines
+    of 1 node; held to depth 2 it runs 4 of 2, also after a failure (a short one borrows)."""
+    free = run(tmp_path / "free", "backend=sim", "model=gpt-tiny", "strategy=oobleck", "cluster.pp=2",
+               "cluster.dp=4", "failures=none")
+    assert free["final_shape"].startswith("pp=1 ")
+    held = run(tmp_path / "held", "backend=sim", "model=gpt-tiny", "strategy=oobleck", "cluster.pp=2",
+               "cluster.dp=4", "strategy.min_nodes=2", "failures=scripted", "failures.events=[{iteration:3,node:1}]")
+    assert held["status"] == "ok", held["error"]
+    depths = [segment["shape"] for segment in held["plan_segments"]]
+    assert all("pp=1 " not in shape for shape in depths), depths
