@@ -150,14 +150,44 @@ def _all_at_most(value: str, limit: int) -> bool:
         return False
 
 
+# Hydra's flags that take a value as the next argument (`--cfg hydra`, `-p hydra.launcher`), and
+# `--info`, whose value is optional (hydra._internal.utils.get_args_parser).
+_FLAG_VALUES = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                "--config-dir", "-cd", "--experimental-rerun"}
+_FLAG_OPTIONAL_VALUES = {"--info", "-i"}
+
+
+def split_flags(args) -> tuple[list[str], list[str]]:
+    """(Hydra's flags with their values, the overrides) of a command line, in their order:
+    `--cfg hydra -p hydra.launcher model=x` gives (["--cfg", "hydra", "-p", "hydra.launcher"],
+    ["model=x"]). A flag's value is never taken for an override."""
+    flags: list[str] = []
+    overrides: list[str] = []
+    args = list(args)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("-"):
+            overrides.append(arg)
+        else:
+            flags.append(arg)
+            takes = arg in _FLAG_VALUES or (arg in _FLAG_OPTIONAL_VALUES and i + 1 < len(args)
+                                            and "=" not in args[i + 1] and not args[i + 1].startswith("-"))
+            if takes and i + 1 < len(args):
+                i += 1
+                flags.append(args[i])
+        i += 1
+    return flags, overrides
+
+
 def main() -> None:
     """The `ftbench` console script: `--version` here, everything else through Hydra."""
     args = sys.argv[1:]
     if "--version" in args or "-V" in args:
         print(version_text())
         return
-    overrides = normalise(a for a in args if not a.startswith("-"))
-    flags = [a for a in args if a.startswith("-")]
+    flags, overrides = split_flags(args)
+    overrides = normalise(overrides)
     if not flags:  # a single run: Hydra's own rejections become a setting error (exit 2), with a run folder
         from ftbench.config_errors import explain_composition_error
 

@@ -529,6 +529,29 @@ def sweep_rows(sweep_dir: Path | str) -> tuple[list[str], list[list[Any]]]:
     return list(SWEEP_COLUMNS), rows
 
 
+def start_sweep_run(sweep_dir: Path | str, cfg: Any, job_type: str, name: str,
+                    default_mode: str = "offline") -> Any:
+    """Start the W&B run of a whole sweep (the sweep table, a paper table); None when W&B is off.
+
+    The run lands in the sweep folder (`<sweep>/wandb/`) and in the sweep's group: `cfg.group`
+    when set, else `wandb_group(<sweep folder's name>, sweep_dir)`, the group its jobs'
+    WandbSink runs get; it is named `<group>-<name>`. `cfg` (the `wandb` config section, or
+    None) gives mode (`default_mode` without one), project ("ftbench" without one) and entity.
+    Off: `WANDB_MODE=disabled`, or a mode other than offline and online; wandb is then not
+    imported. W&B's own errors propagate, for the caller to warn in its own words.
+    """
+    sweep_dir = Path(sweep_dir)
+    mode = getattr(cfg, "mode", default_mode) if cfg is not None else default_mode
+    if os.environ.get("WANDB_MODE", "").strip().lower() == "disabled" or mode not in ("offline", "online"):
+        return None
+    import wandb
+
+    group = getattr(cfg, "group", None) or wandb_group(sweep_dir.name, sweep_dir)
+    return wandb.init(mode=mode, dir=str(sweep_dir), project=getattr(cfg, "project", "ftbench"),
+                      entity=getattr(cfg, "entity", None), group=group, job_type=job_type,
+                      name=f"{group}-{name}", reinit=_reinit_value(wandb), settings=_wandb_settings(wandb))
+
+
 def log_sweep_table(sweep_dir: Path | str, cfg: Any = None, run: Any = None, key: str = "sweep") -> bool:
     """Log one wandb.Table of a sweep's summaries (see SWEEP_COLUMNS); True when it was logged.
 
@@ -544,19 +567,12 @@ def log_sweep_table(sweep_dir: Path | str, cfg: Any = None, run: Any = None, key
         warnings.warn(f"could not read the sweep's summaries ({type(exc).__name__}: {exc})", stacklevel=2)
         return False
     own = run is None
-    mode = getattr(cfg, "mode", "offline")
-    if os.environ.get("WANDB_MODE", "").strip().lower() == "disabled":
-        mode = "disabled"
-    if own and mode not in ("offline", "online"):
-        return False
     try:
-        import wandb
         if own:
-            group = getattr(cfg, "group", None) or wandb_group(sweep_dir.name, sweep_dir)
-            run = wandb.init(mode=mode, dir=str(sweep_dir), project=getattr(cfg, "project", "ftbench"),
-                             entity=getattr(cfg, "entity", None), group=group, job_type="sweep-summary",
-                             name=f"{group}-summary", reinit=_reinit_value(wandb),
-                             settings=_wandb_settings(wandb))
+            run = start_sweep_run(sweep_dir, cfg, job_type="sweep-summary", name="summary")
+            if run is None:  # W&B is off
+                return False
+        import wandb
         run.log({key: wandb.Table(columns=columns, data=rows)})
         if own:
             run.finish()
@@ -589,5 +605,5 @@ def _summary_scalars(summary: dict) -> dict:
 __all__ = [
     "SUMMARY_KEYS", "STATUSES", "METRICS_FILE", "SUMMARY_FILE", "MetricsWriter", "check_summary",
     "write_summary", "read_metrics", "recovery_totals", "peak_memory_max", "ettr", "summary_ettr", "WandbSink",
-    "wandb_group", "recoveries_table", "sweep_rows", "log_sweep_table",
+    "wandb_group", "recoveries_table", "sweep_rows", "log_sweep_table", "start_sweep_run",
 ]

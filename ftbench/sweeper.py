@@ -102,6 +102,7 @@ class CellSweeper(Sweeper):
         self.exclude = [OmegaConf.to_container(r) if OmegaConf.is_config(r) else dict(r) for r in exclude or []]
         self.progress = progress
         self.config = self.launcher = self.hydra_context = None
+        self.batch_size: Optional[int] = None  # jobs per launch, set by sweep()
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
         from hydra.core.plugins import Plugins
@@ -121,17 +122,24 @@ class CellSweeper(Sweeper):
         target = str(OmegaConf.select(self.config, "hydra.launcher._target_", default=""))
         return 1 if "BasicLauncher" in target or not target else 10**9  # cluster launchers: one submission
 
-    def sweep(self, arguments: List[str]) -> Any:
+    def jobs(self, arguments: List[str]) -> tuple[list[list[str]], list[list[str]]]:
+        """(every combination, the ones `exclude` keeps) of `params` and the command line's
+        sweep overrides, as `key=value` lists: what `sweep` launches, without launching."""
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         params = [f"{key}={value}" for key, value in self.params.items()]
         jobs = product(parser.parse_overrides([*params, *arguments]))
-        kept = keep_jobs(jobs, self.exclude)
-        size = self._batch_size()
+        return jobs, keep_jobs(jobs, self.exclude)
+
+    def sweep(self, arguments: List[str]) -> Any:
+        jobs, kept = self.jobs(arguments)
+        size = self.batch_size = self._batch_size()
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        # The batch size is said, so that a user (and a test) sees what the launcher was given.
+        at_once = "all at once" if size >= len(kept) else f"{size} at a time"
         print(f"ftbench: {len(kept)} jobs ({len(jobs) - len(kept)} left out by hydra.sweeper.exclude) "
-              f"into {sweep_dir}", file=sys.stderr, flush=True)
+              f"into {sweep_dir}, launched {at_once}", file=sys.stderr, flush=True)
         bar = None
         if self.progress:
             from tqdm import tqdm

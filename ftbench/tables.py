@@ -426,20 +426,15 @@ def write_report(sweep_dir: Path | str, wandb_cfg: Any = None) -> dict[str, Path
 
 
 def _to_wandb(sweep_dir: Path, spec: dict, records: list[dict], files: dict[str, Path], cfg: Any) -> None:
-    import os
+    from ftbench.metrics import log_sweep_table, start_sweep_run
 
-    mode = getattr(cfg, "mode", None) if cfg is not None else "disabled"
-    if os.environ.get("WANDB_MODE", "").strip().lower() == "disabled" or mode not in ("offline", "online"):
-        return
     try:
+        # cfg None (`python -m ftbench.tables`) or without a mode: no W&B
+        run = start_sweep_run(sweep_dir, cfg, job_type="paper-table", name=spec["name"], default_mode="disabled")
+        if run is None:
+            return
         import wandb
 
-        from ftbench.metrics import _reinit_value, _wandb_settings, log_sweep_table, wandb_group
-
-        group = getattr(cfg, "group", None) or wandb_group(sweep_dir.name, sweep_dir)
-        run = wandb.init(mode=mode, dir=str(sweep_dir), project=getattr(cfg, "project", "ftbench"),
-                         entity=getattr(cfg, "entity", None), group=group, job_type="paper-table",
-                         name=f"{group}-{spec['name']}", reinit=_reinit_value(wandb), settings=_wandb_settings(wandb))
         rows = [[r.get(k) if not isinstance(r.get(k), float) or math.isfinite(r.get(k)) else None
                  for k in CSV_COLUMNS] for r in sorted(records, key=_record_order(spec))]
         payload = {"paper_table": wandb.Table(columns=CSV_COLUMNS, data=[[None if v is None else (v if isinstance(
