@@ -4,7 +4,8 @@ experiment, each run with other settings (`failures.repair_hours=4`, `cluster.gp
 Per folder: the settings that differ from the experiment (the sweep's command-line overrides),
 the reproduction's three checks (orderings, cells within 15 %, OOM where the paper has it),
 each system's cells against the paper's (geometric mean of ours / paper over the failure
-columns), and how much each system keeps from the rarest to the most frequent failures
+columns), the cells that ended neither ok nor OOM (unrecoverable: the setup defeats the
+system), and how much each system keeps from the rarest to the most frequent failures
 (ours, then the paper's): that last ratio does not depend on the fitted efficiency, so it
 shows the failure model apart from the fault-free speed.
 
@@ -56,26 +57,30 @@ def summarize(sweep_dir: Path | str) -> dict:
             a, b = mine.get((model, first)), mine.get((model, last))
             if a and b and a.get("throughput") and b.get("throughput") is not None:
                 kept.append(b["throughput"] / a["throughput"])
-                pa, pb = a.get("paper"), b.get("paper")
-                if isinstance(pa, (int, float)) and isinstance(pb, (int, float)) and pa:
-                    kept_paper.append(pb / pa)
+            # the paper's, over every model it has both cells of (the same in every row)
+            pa, pb = (a or {}).get("paper"), (b or {}).get("paper")
+            if isinstance(pa, (int, float)) and isinstance(pb, (int, float)) and pa:
+                kept_paper.append(pb / pa)
         systems[system] = {"ratio": _geomean(ratios), "kept": statistics.fmean(kept) if kept else None,
                            "kept_paper": statistics.fmean(kept_paper) if kept_paper else None}
     return {"dir": str(sweep_dir), "settings": settings(sweep_dir), "columns": (failure_columns[0], failure_columns[-1]),
             "orderings": (sum(c["match"] for c in orderings), len(orderings)),
             "within": (sum(abs(r["ratio"] - 1) <= WITHIN for r in compared), len(compared)),
-            "oom": (sum(o["match"] for o in ooms), len(ooms)), "systems": systems}
+            "oom": (sum(o["match"] for o in ooms), len(ooms)),
+            "ended": sum(r["status"] not in ("ok", "oom") for r in records), "cells": len(records),
+            "systems": systems}
 
 
 def markdown(rows: list[dict]) -> str:
     systems = list(dict.fromkeys(s for row in rows for s, v in row["systems"].items() if v["ratio"] is not None))
     first, last = rows[0]["columns"] if rows else ("", "")
-    head = (["setup", "orderings", f"within {WITHIN:.0%}", "OOM"] + [f"{s}: ours / paper" for s in systems]
+    head = (["setup", "orderings", f"within {WITHIN:.0%}", "OOM", "cells ended otherwise"] + [f"{s}: ours / paper" for s in systems]
             + [f"{s}: {last} / {first}, ours (paper)" for s in systems])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [f"{row['settings']} ({Path(row['dir']).name})"] + [f"{a} / {b}" for a, b in
                                                                       (row["orderings"], row["within"], row["oom"])]
+        cells.append(f"{row['ended']} of {row['cells']}")
         for s in systems:
             v = row["systems"].get(s, {}).get("ratio")
             cells.append("" if v is None else f"{v:.2f}")
