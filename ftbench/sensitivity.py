@@ -26,9 +26,10 @@ def settings(sweep_dir: Path) -> str:
     """The sweep's command-line overrides, without the experiment and the per-cell lists."""
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.load(Path(sweep_dir) / "multirun.yaml")
-    task = [str(o) for o in cfg.hydra.overrides.get("task", [])]
-    swept = set((cfg.hydra.sweeper.get("params") or {}).keys()) if "sweeper" in cfg.hydra else set()
+    # unresolved: an override may hold an interpolation (`+table.strategies.oobleck={min_nodes:${cluster.pp}}`)
+    hydra = OmegaConf.to_container(OmegaConf.load(Path(sweep_dir) / "multirun.yaml"), resolve=False).get("hydra", {})
+    task = [str(o) for o in (hydra.get("overrides") or {}).get("task", [])]
+    swept = set(((hydra.get("sweeper") or {}).get("params") or {}).keys())
     own = [o for o in task if "experiment=" not in o and o.split("=")[0].lstrip("+~") not in swept]
     return ", ".join(f"`{o}`" for o in own) or "the experiment as given"
 
