@@ -321,6 +321,10 @@ def throughput_series(run_dir: Path, bins: int = 120) -> tuple[list[float], list
     from its metrics.jsonl: each stretch of identical iterations spreads its samples evenly
     over its own iterations' time; recoveries and stalls in between train nothing."""
     records = read_metrics(Path(run_dir) / METRICS_FILE)
+    # metrics.jsonl is appended to (a resumed run keeps its earlier lines): a cell run again
+    # into its folder holds both attempts, and only the last one is the summary's
+    starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+    records = records[starts[-1]:] if starts else records
     spans, fails, end = [], [], 0.0
     for rec in records:
         if rec.get("event") == "iterations" and rec.get("count"):

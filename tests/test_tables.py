@@ -131,3 +131,29 @@ def test_a_table_sweep_writes_its_report_and_a_rerun_skips_done_cells(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     assert second.stdout.count("skipped (report.skip_done)") == 4
     assert json.loads(done.read_text()) == before
+
+
+def test_the_recycle_table_holds_oobleck_to_the_grids_depth():
+    """Its per-system setting reaches strategy.min_nodes as the model's cluster.pp (8 for 6.7B),
+    and stays out of the other systems' settings."""
+    from ftbench.run import table_strategy_settings
+
+    cfg = compose(["+experiment=recycle-table", "model=gpt3-6.7b", "strategy=oobleck"])
+    table_strategy_settings(cfg)
+    assert cfg.strategy.min_nodes == 8
+    other = compose(["+experiment=recycle-table", "model=gpt3-6.7b", "strategy=recycle"])
+    table_strategy_settings(other)
+    assert "min_nodes" not in other.strategy
+
+
+def test_throughput_over_time_reads_the_last_attempt_of_a_cell(tmp_path):
+    """A cell run again into its folder appends a second attempt to metrics.jsonl: the plot's
+    series must be the last attempt's (10 samples/s), not both added up."""
+    from ftbench.tables import throughput_series
+
+    attempt = [{"event": "start", "global_batch": 10},
+               {"event": "iterations", "count": 100, "iteration_time_s": 1.0, "time_s": 100.0},
+               {"event": "fail", "time_s": 100.0}, {"event": "end"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in attempt * 2))
+    _, rate, fails = throughput_series(tmp_path, bins=10)
+    assert max(rate) == pytest.approx(10.0) and fails == [100.0 / 3600]
