@@ -31,9 +31,11 @@ class Cluster:
         self.layout = (self.pp, self.dp)  # the configured grid fixes where workers sit
 
     @classmethod
-    def from_config(cls, cfg, nodes: int | None = None) -> "Cluster":
+    def from_config(cls, cfg, nodes: int | None = None, require_grid: bool = True) -> "Cluster":
         """`nodes`: the node count where cluster.nodes is unset and something else sets it (a
-        trace's starting membership); else pp*dp/gpus_per_node."""
+        trace's starting membership); else pp*dp/gpus_per_node. `require_grid=False`: the
+        nodes may hold fewer GPUs than pp*dp (a strategy that builds its job from the live
+        nodes and waits for a trace's joins; the grid then fixes only where workers sit)."""
         grid = cfg.pp * cfg.dp
         nodes = cfg.nodes if cfg.nodes is not None else nodes
         if nodes is None and grid % cfg.gpus_per_node:
@@ -41,7 +43,7 @@ class Cluster:
                               f"pp*dp = {grid} workers do not fill whole nodes of {cfg.gpus_per_node} GPUs",
                               "choose gpus_per_node dividing cluster.pp*cluster.dp, or set cluster.nodes")
         nodes = nodes if nodes is not None else grid // cfg.gpus_per_node
-        if nodes * cfg.gpus_per_node < grid:
+        if require_grid and nodes * cfg.gpus_per_node < grid:
             raise ConfigError("cluster.nodes", f"{nodes} nodes of {cfg.gpus_per_node} GPUs cannot hold "
                               f"pp*dp = {grid} workers", f"set cluster.nodes >= {-(-grid // cfg.gpus_per_node)}")
         placement = cfg.get("placement", "pipeline") if hasattr(cfg, "get") else cfg.placement

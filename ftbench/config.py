@@ -105,6 +105,7 @@ class FailureEventConfig:
     iteration: Optional[int] = None  # the iteration during which it strikes
     time_s: Optional[float] = None  # wall/simulated seconds since start
     kind: str = "fail"  # fail | join
+    at: Optional[float] = None  # with `iteration`: where in it the failure strikes, a fraction in [0, 1) of the iteration's simulated timeline (None: failures.at)
 
 
 @dataclass
@@ -112,6 +113,7 @@ class FailuresConfig:
     """Where failures come from. `kind` is set by the group option (failures=...)."""
     kind: str = "none"  # none | scripted | interval | poisson | trace
     events: List[FailureEventConfig] = field(default_factory=list)  # scripted: the events
+    at: Optional[float] = None  # scripted: where in its iteration an event by iteration strikes, a fraction in [0, 1) of the simulated timeline (None: 0.5); an event's own `at` wins
     every: Optional[str] = None  # interval: period, e.g. 30m, 6h, 1d
     count: Optional[int] = None  # interval/poisson/trace: stop after this many failures (None: no limit)
     mtbf_hours: Optional[float] = None  # poisson: mean time between failures of one node, hours

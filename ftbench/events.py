@@ -1,13 +1,17 @@
 """When scripted and timed events take effect: the one definition every backend shares.
 
-- A failure scripted "at iteration k" strikes during iteration k, at
-  `ITERATION_EVENT_FRACTION` of the plan's simulated timeline; the ops each worker has
-  completed by then are resolved once (`ftbench.sim.simulator.ops_completed_at`) and every
-  backend cuts at exactly those ops.
+- A failure scripted "at iteration k" strikes during iteration k, at the fraction `at` of
+  the plan's simulated timeline (the event's `at`, else `failures.at`, else
+  `ITERATION_EVENT_FRACTION`, half-way); the ops each worker has completed by then, the
+  optimizer steps that finished included, are resolved once
+  (`ftbench.sim.simulator.ops_completed_at`) and every backend cuts at exactly those ops.
+  The iteration in flight is then abandoned and redone: a survivor whose replica already
+  stepped in it goes back to the iteration's start by undoing that step
+  (`ftbench.engine.undo`, done by the engine when it abandons the iteration).
 - A timed failure strikes at its time. On a modelled clock (`sim`, and `local` with
-  `backend.clock=model`) that is a point inside the iteration in flight; on the wall clock it
-  is noticed at the next iteration boundary and strikes there, before any op of the next
-  iteration has run.
+  `backend.clock=model`) that is a point inside the iteration in flight, resolved the same
+  way, optimizer steps included; on the wall clock it is noticed at the next iteration
+  boundary and strikes there, before any op of the next iteration has run.
 - An event whose time passed while a recovery was running takes effect when that recovery
   ends (recoveries are not interrupted), before the next iteration starts.
 - A join, the failure of a node that runs no worker of the plan, and the failure of a node

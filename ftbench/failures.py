@@ -23,7 +23,8 @@ from ftbench.paths import TRACES_DIR
 
 KINDS = ("none", "scripted", "interval", "poisson", "trace")
 EVENT_KINDS = ("fail", "join")
-# A failure scripted "at iteration k" strikes this far into iteration k (of its simulated timeline).
+# A failure scripted "at iteration k" strikes this far into iteration k (of its simulated timeline)
+# unless the event (`at`) or the group (`failures.at`) says where.
 ITERATION_EVENT_FRACTION = 0.5
 
 
@@ -33,6 +34,10 @@ class FailureEvent:
     kind: str = "fail"  # "fail" | "join"
     time_s: float | None = None  # set for time-based events
     iteration: int | None = None  # set for iteration-based events (exactly one of the two is set)
+    # iteration-based failures: where in the iteration it strikes, a fraction in [0, 1) of its
+    # simulated timeline (None: ITERATION_EVENT_FRACTION); the ops completed by then, optimizer
+    # steps included, have run (ftbench.events)
+    at: float | None = None
 
 
 @dataclass
@@ -46,6 +51,9 @@ class FailureScript:
     end_s: float | None = None
     # scripted only: the events of `by_time` as a list (the iterator cannot be looked at twice)
     scripted_by_time: tuple[FailureEvent, ...] = ()
+    # trace with later adds: a job left with too few nodes to go on waits for them, as the
+    # Oobleck artifact's simulators do (ftbench.loop, Recovery.wait); elsewhere it ends there
+    waits_for_joins: bool = False
 
 
 def take_until(events: Iterable[FailureEvent], horizon_s: float) -> list[FailureEvent]:
@@ -63,7 +71,7 @@ def take_until(events: Iterable[FailureEvent], horizon_s: float) -> list[Failure
 
 
 # Settings that only one kind of script reads.
-OWNED_SETTINGS = {"events": "scripted", "every": "interval", "mtbf_hours": "poisson",
+OWNED_SETTINGS = {"events": "scripted", "at": "scripted", "every": "interval", "mtbf_hours": "poisson",
                   "repair_hours": "poisson", "job_mtbf_hours": "poisson", "path": "trace"}
 
 
@@ -127,7 +135,7 @@ def _build(cfg, num_nodes: int, seed: int) -> FailureScript:
     if count == 0 and kind in ("interval", "poisson"):  # a paper table's fault-free column
         return FailureScript([], iter(()), description=f"no failures ({kind} with failures.count=0)")
     if kind == "scripted":
-        return _scripted(events, num_nodes)
+        return _scripted(events, num_nodes, check_at(_get(cfg, "at"), "failures.at"))
     if kind == "interval":
         return _interval(cfg, num_nodes, seed, count)
     if kind == "poisson":
@@ -163,7 +171,21 @@ def _count_text(count: int | None) -> str:
 
 # --- scripted ------------------------------------------------------------------------------
 
-def _scripted(events, num_nodes: int) -> FailureScript:
+def check_at(at, setting: str) -> float | None:
+    """A failure point as given (None: not given): a fraction in [0, 1) of the iteration's
+    simulated timeline. 1 is refused: the iteration would be over, and a failure then is one
+    at the next iteration's start (at 0)."""
+    if at is None:
+        return None
+    if isinstance(at, bool) or not isinstance(at, (int, float)) or not 0 <= at < 1:
+        raise ConfigError(setting, f"{at!r} is not a fraction in [0, 1) of the iteration",
+                          "give where in its iteration the failure strikes, e.g. 0.5 (half-way), 0.97 "
+                          "(during the optimizer steps), or 0 (at its start)")
+    return float(at)
+
+
+def _scripted(events, num_nodes: int, at: float | None = None) -> FailureScript:
+    """`at`: failures.at, where events by iteration strike unless they say (None: the default)."""
     by_iteration, by_time = [], []
     joined = {_get(ev, "node") for ev in events if (_get(ev, "kind") or "fail") == "join"}
     for i, ev in enumerate(events):
@@ -183,10 +205,16 @@ def _scripted(events, num_nodes: int) -> FailureScript:
             raise ConfigError(setting, f"node {node} fails but the cluster has nodes 0..{num_nodes - 1} "
                               "(and no scripted join brings that node in)",
                               f"pick a node below {num_nodes}, or raise cluster.nodes")
+        own_at = check_at(_get(ev, "at"), f"{setting}.at")
+        if own_at is not None and (kind != "fail" or iteration is None):
+            what = "a join" if kind != "fail" else "an event by time_s, which strikes at its time"
+            raise ConfigError(f"{setting}.at", f"only a failure scripted by iteration strikes at a point of it "
+                              f"(this is {what})", "drop `at` from this event")
         if iteration is not None:
             if iteration < 0:
                 raise ConfigError(setting, f"iteration {iteration} is negative", "give an iteration >= 0")
-            by_iteration.append(FailureEvent(node=int(node), kind=kind, iteration=int(iteration)))
+            point = own_at if own_at is not None else at if kind == "fail" else None
+            by_iteration.append(FailureEvent(node=int(node), kind=kind, iteration=int(iteration), at=point))
         else:
             if time_s < 0:
                 raise ConfigError(setting, f"time_s {time_s} is negative", "give a time >= 0 s")
@@ -295,7 +323,7 @@ def _trace(cfg, count: int | None) -> FailureScript:
     description = (f"trace {resolved.name}{shift}, {trace.initial} node{'s' * (trace.initial != 1)} at start, {fails} fails, {joins} joins, "
                    f"up to {trace.peak} nodes at once{_count_text(count)}{end}")
     return FailureScript([], _limit(iter(trace.events), count), initial_nodes=trace.initial, description=description,
-                         end_s=end_s)
+                         end_s=end_s, waits_for_joins=joins > 0)
 
 
 def _resolve_trace(path: str) -> Path:

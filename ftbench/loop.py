@@ -31,6 +31,7 @@ from ftbench.failures import ITERATION_EVENT_FRACTION, FailureEvent, FailureScri
 from ftbench.outcome import RunOutcome
 from ftbench.plan import Plan
 from ftbench.recovery_costs import CheckpointLedger, SaveCost, action_seconds, save_cost
+from ftbench.schedule import OPT
 from ftbench.sim.simulator import SimResult, ops_completed_at
 
 CLOCKS = ("model", "wall")  # backend.clock
@@ -46,9 +47,11 @@ class Backend(Protocol):
     def run_iteration(self, plan: Plan, iteration: int) -> float | None:
         """Train one whole iteration of `plan`; its loss (None where nothing is computed)."""
 
-    def strike(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int]) -> None:
-        """A failure: the ops in `completed` of `iteration` have run, then `dead_workers` lose
-        all their state and survivors drop the iteration in flight."""
+    def strike(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int]) -> int | None:
+        """A failure: the ops in `completed` of `iteration` have run (optimizer steps among
+        them), then `dead_workers` lose all their state and survivors drop the iteration in
+        flight, undoing the optimizer steps they took in it (ftbench.engine.undo). The number
+        of replicas whose step was undone (None where no state is held: sim)."""
 
     def perform(self, actions: list, old: Plan, new: Plan, iteration: int) -> int | None:
         """Carry out recovery actions and continue with `new`; the iteration restored to (None:
@@ -264,6 +267,8 @@ class RunLoop:
             ends.append(script.end_s)
         self.horizon = min(ends, default=math.inf)
         self.it, self.t, self.plan = 0, 0.0, None
+        self.stopped = False  # the run reached its end while waiting for nodes (_wait_for_nodes)
+        self.waits_for_joins = bool(getattr(script, "waits_for_joins", False))
         self.kept = KeptIterations()
         self._points: dict = {}
         self._wall0 = time.perf_counter()
@@ -290,7 +295,7 @@ class RunLoop:
         self.plan = self._first_plan()
         self.backend.start(self.plan)
         self._save(0, initial=True)
-        while self.it < self.ctx.iterations and out.status == "ok":
+        while self.it < self.ctx.iterations and out.status == "ok" and not self.stopped:
             if self._boundary_events():
                 continue  # membership changed: look again (more may be due, the plan may differ)
             timeline = self.timelines(self.plan)
@@ -351,14 +356,15 @@ class RunLoop:
         k = self.events.next_iteration()
         limit = self.ctx.iterations - it if k is None else min(self.ctx.iterations - it, max(k - it, 0))
         if limit == 0:  # a scripted failure strikes inside this iteration (boundary events went first)
-            return 0, (self.events.pop_scripted(), ITERATION_EVENT_FRACTION)
+            event = self.events.pop_scripted()
+            return 0, (event, ITERATION_EVENT_FRACTION if event.at is None else event.at)
         if not self.modelled:  # wall clock: one iteration at a time; timed events are seen at boundaries
             return (1, None) if t < self.horizon else (0, None)
         t_event = self.events.next_time()
         n = self.ckpt.fit(it, t, min(t_event, self.horizon), limit)
         if n > 0:
             return n, None
-        if t_event < self.horizon and t_event < t + self.ckpt.span(it, 1):
+        if t_event < self.horizon and t < self.horizon and t_event < t + self.ckpt.span(it, 1):
             if self._strikes(self.events.peek_timed()):
                 return 0, (self.events.pop_timed(), min(max((t_event - t) / T, 0.0), 1.0))
             return 1, None  # a boundary event inside this iteration: it applies at its end
@@ -386,7 +392,7 @@ class RunLoop:
         that ran past the end ends the run, which applies nothing after it."""
         now = self.now()
         timed = self.events.peek_timed()
-        if timed is not None and timed.time_s <= now and timed.time_s < self.horizon:
+        if timed is not None and timed.time_s <= now and timed.time_s < self.horizon and now < self.horizon:
             event = self.events.pop_timed()
             if self._strikes(event):  # it struck while a recovery ran, or (wall clock) during the last iteration
                 self._strike(event, 0.0, timeline=self.timelines(self.plan), T=0.0)
@@ -471,13 +477,28 @@ class RunLoop:
 
     # -- membership ---------------------------------------------------------------------
     def _strike(self, event: FailureEvent, fraction: float, timeline: SimResult, T: float) -> None:
-        """A live node of the plan fails `fraction` into the iteration in flight."""
+        """A live node of the plan fails `fraction` into the iteration in flight: the ops
+        completed by then ran (optimizer steps included), the survivors abandon the iteration
+        (the backend undoes the steps they took in it) and the strategy recovers. Where ops are
+        cut, the metrics line says how many optimizer steps had completed (`stepped`, from the
+        resolved point: the same on every backend that cuts) and how many replicas the
+        backend undid (`undone`)."""
         if self.modelled:
             self.t += fraction * T
         completed = self._point(timeline, fraction) if fraction > 0 and self.backend.cuts_ops else frozenset()
         dead = [w for w, node in self.plan.node_of.items() if node == event.node]
-        self._fail(event.node)
-        self.backend.strike(self.plan, self.it, completed, dead)
+        t_fail = self.now()
+        self.cluster.fail(event.node)
+        self.out.failures += 1
+        undone = self.backend.strike(self.plan, self.it, completed, dead)
+        extra = {}
+        if self.backend.cuts_ops:
+            extra["stepped"] = sum(op.kind == OPT for op in completed)
+            if undone is not None:
+                extra["undone"] = undone
+        # logged once the backend has struck: on dist the leader may be among the dead, and the
+        # next leader writes the line
+        self.log({"event": "fail", "node": event.node, "time_s": t_fail, "iteration": self.it, **extra})
         self._lose_unpersisted()
         self._ask_strategy(event)
 
@@ -517,11 +538,13 @@ class RunLoop:
             self._ask_strategy(FailureEvent(node, iteration=self.it))
 
     def _point(self, timeline: SimResult, fraction: float) -> frozenset:
-        """The ops completed `fraction` into the timeline, resolved once per (timeline, fraction)."""
+        """The ops completed `fraction` into the timeline, resolved once per (timeline, fraction):
+        the optimizer steps (OPT) that finished by then included, so some stages may have
+        stepped and others not."""
         key = (id(timeline), fraction)
         hit = self._points.get(key)
         if hit is None or hit[0] is not timeline:
-            hit = self._points[key] = (timeline, ops_completed_at(timeline, fraction))
+            hit = self._points[key] = (timeline, ops_completed_at(timeline, fraction, stop_before_optimizer=False))
         return hit[1]
 
     def _apply(self, event: FailureEvent) -> None:
@@ -546,6 +569,11 @@ class RunLoop:
     def _ask_strategy(self, event: FailureEvent) -> None:
         out, cluster, it = self.out, self.cluster, self.it
         recovery = self.strategy.on_event(event, self.view, it)
+        if recovery.unrecoverable and recovery.wait:
+            recovery = self._wait_for_nodes(recovery.unrecoverable)
+            if recovery is None:
+                return  # the run ended waiting
+            it = self.it
         if recovery.unrecoverable:
             out.status, out.error = "unrecoverable", recovery.unrecoverable
             self.log({"event": "unrecoverable", "time_s": self.now(), "iteration": it,
@@ -605,6 +633,55 @@ class RunLoop:
         self.log({"event": "recovery", **record})
         if interrupted is not None:
             self._discovered(interrupted)
+
+    def _wait_for_nodes(self, reason: str):
+        """Too few nodes to go on (`Recovery.wait`): training stops and, where the failure
+        script brings nodes (a trace's adds: FailureScript.waits_for_joins) and on the modelled
+        clock, the run waits for the timed events that bring more, as the Oobleck artifact's
+        simulators stop until enough spot nodes are back. The clock moves to each event's
+        instant, its events change membership (a node lost meanwhile counts as a failure), and
+        the strategy's `resume` is asked for its recovery onto the live nodes (TooFewNodes:
+        wait on). The wait counts in the run's time, not in its productive time. Returns that
+        recovery; None when the run reaches its end (a trace's last event, train.max_hours)
+        still waiting: it ends there, status ok. Elsewhere (other failure scripts, the wall
+        clock, a strategy without `resume`), or when no later event can come, the job cannot
+        go on: Recovery(unrecoverable=reason)."""
+        from ftbench.strategies.base import Recovery
+
+        resume = getattr(self.strategy, "resume", None)
+        if not self.modelled or resume is None or not self.waits_for_joins:
+            return Recovery(unrecoverable=reason)
+        started = self.t
+        self.log({"event": "waiting", "time_s": self.t, "iteration": self.it, "nodes": len(self.cluster.alive),
+                  "reason": reason})
+        while True:
+            upcoming = self.events.peek_timed()
+            if upcoming is None or upcoming.time_s >= self.horizon:
+                if upcoming is None:
+                    return Recovery(unrecoverable=f"{reason}; no node joins later")
+                self.t = max(self.t, self.horizon)
+                self.stopped = True
+                self.log({"event": "stopped", "time_s": self.t, "iteration": self.it, "waited_s": self.t - started,
+                          "reason": f"the run's end came while waiting: {reason}"})
+                return None
+            self.t = max(self.t, upcoming.time_s)
+            while (event := self.events.peek_timed()) is not None and event.time_s <= self.t:
+                self.events.pop_timed()
+                if event.kind == "join":
+                    self.cluster.join(event.node)
+                elif self.cluster.is_alive(event.node):
+                    self.cluster.fail(event.node)
+                    self.out.failures += 1
+                    self._lose_unpersisted()
+                self.log({"event": event.kind, "node": event.node, "time_s": self.t, "iteration": self.it,
+                          "while_waiting": True})
+            try:
+                recovery = resume(self.view, self.it)
+            except TooFewNodes:
+                continue
+            self.log({"event": "resumed", "time_s": self.t, "iteration": self.it, "waited_s": self.t - started,
+                      "nodes": len(self.cluster.alive)})
+            return recovery
 
     def _action_seconds(self, action, old: Plan, new: Plan) -> float:
         """action_seconds, once per (action, old plan, new plan): a restart onto the same plan

@@ -205,12 +205,26 @@ def _cluster_and_script(cfg, ctx) -> tuple[Cluster, FailureScript]:
         raise ConfigError("cluster.nodes", f"it is {c.nodes} but the trace starts with {initial} node(s) "
                           f"({script.description})", f"drop cluster.nodes (the trace sets it) or set "
                           f"cluster.nodes={initial}")
-    if initial * c.gpus_per_node < c.pp * c.dp:
+    sized = sized_by_membership(cfg)
+    if not sized and initial * c.gpus_per_node < c.pp * c.dp:
         raise ConfigError("cluster.dp", f"the grid pp x dp = {c.pp} x {c.dp} needs {c.pp * c.dp} GPUs but the trace "
                           f"starts with {initial} node(s) of {c.gpus_per_node} GPUs ({script.description})",
-                          f"choose cluster.pp x cluster.dp <= {initial * c.gpus_per_node} (oobleck, varuna and bamboo "
-                          "grow onto the nodes the trace adds later), or replay another trace")
-    return Cluster.from_config(c, nodes=initial), script
+                          f"choose cluster.pp x cluster.dp <= {initial * c.gpus_per_node} (oobleck, bamboo and varuna "
+                          "with strategy.start=fastest build their job from the live nodes and wait for the trace's "
+                          "joins), or replay another trace")
+    return Cluster.from_config(c, nodes=initial, require_grid=not sized), script
+
+
+def sized_by_membership(cfg) -> bool:
+    """Whether the strategy builds its job from the live nodes rather than on the configured
+    pp x dp grid (oobleck; bamboo, pipelines of cluster.pp stages over the live nodes; varuna
+    with strategy.start=fastest): on a trace it needs no grid of GPUs at the start, and where
+    the nodes are too few to start it waits for the trace's joins (TooFewNodes)."""
+    from ftbench.strategies import REGISTRY
+
+    cls = REGISTRY.get(str(cfg.strategy.name))
+    check = getattr(cls, "sized_by_membership", None)
+    return bool(check(cfg.strategy)) if check is not None else False
 
 
 def _clock(cfg) -> str:

@@ -46,6 +46,11 @@ class Bamboo:
     name = "bamboo"
     checkpoint_mode = None
 
+    @staticmethod
+    def sized_by_membership(cfg) -> bool:
+        """floor(live nodes / cluster.pp) pipelines, whatever cluster.dp (ftbench.run.sized_by_membership)."""
+        return True
+
     def __init__(self, cfg, ctx):
         self.cfg, self.ctx = cfg, ctx
         self.overload = cfg.get("overload", None)
@@ -154,6 +159,18 @@ class Bamboo:
             return self._reconfigure(cluster, "join")
         return Recovery()
 
+    def resume(self, cluster, iteration: int) -> Recovery:
+        """After a wait for nodes (fewer than one pipeline's stages): a reconfiguration over
+        every live node, each worker copying the layers it lacks from a surviving holder
+        (TooFewNodes while fewer than S nodes live)."""
+        known = {n for nodes in self.groups for n in nodes} | set(self.idle)
+        live = sorted(n for n in cluster.alive if n < cluster.nodes)
+        if len(live) < self.S:
+            raise TooFewNodes("cluster.pp", f"bamboo needs {self.S} live nodes, one per stage, and {len(live)} are up",
+                              "wait for the trace's joins")
+        self.idle += [n for n in live if n not in known]  # nodes that joined during the wait
+        return self._reconfigure(cluster, "resume")
+
     def _fitting(self, nodes: int) -> int:
         """Node groups of whole pipelines over `nodes` live nodes, a micro-batch per pipeline at least."""
         return min(nodes // self.S, self.microbatches // self.lanes)
@@ -165,9 +182,9 @@ class Bamboo:
     def _reconfigure(self, cluster, rule: str) -> Recovery:
         """Regroup the live nodes into whole pipelines; copy the layers each worker lacks."""
         live = self._live_nodes(cluster)
-        if len(live) < self.S:
+        if len(live) < self.S:  # the job stops until the trace brings enough nodes back (resume)
             return Recovery(unrecoverable=f"{len(live)} live nodes, fewer than the {self.S} stages of one pipeline "
-                            f"({rule})")
+                            f"({rule})", wait=True)
         old = self.current
         saved = (self.groups, self.idle, self.runner, self.copy)
         self._regroup(live, cluster)

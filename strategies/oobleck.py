@@ -62,7 +62,8 @@ class Oobleck:
 
     # -- plan ---------------------------------------------------------------------------
     def plan(self, cluster) -> Plan:
-        self.templates = Templates(self.ctx.cost_model, cluster.gpus_per_node, self.stage_per)
+        if getattr(self, "templates", None) is None:  # kept when a wait for nodes plans again (resume)
+            self.templates = Templates(self.ctx.cost_model, cluster.gpus_per_node, self.stage_per)
         t = self.templates
         n0 = t.n0()
         if n0 is None:
@@ -142,9 +143,9 @@ class Oobleck:
             return Recovery()  # a node outside the job (a standby)
         live = sum(map(len, self.pipelines)) - 1 + len(self.idle)
         least = (self.f + 1) * self.n0
-        if live < least:
+        if live < least:  # the job stops until the trace brings enough nodes back (resume)
             return Recovery(unrecoverable=f"{live} nodes are left, fewer than (f+1)*n0 = {least}: oobleck keeps at "
-                            f"least f+1 = {self.f + 1} pipelines of n0 = {self.n0} nodes")
+                            f"least f+1 = {self.f + 1} pipelines of n0 = {self.n0} nodes", wait=True)
         try:
             pipelines, rule, shed = reconfigure(self.pipelines, {node}, self.n0, self._valid)
         except Unrecoverable as why:
@@ -153,6 +154,21 @@ class Oobleck:
         if idle:  # nodes waiting for a pipeline take part now
             pipelines, idle = grow(pipelines, idle, self.n0, self._valid, self._most_pipelines())
         return self._switch(pipelines, cluster, rule, idle)
+
+    def resume(self, cluster, iteration: int) -> Recovery:
+        """After a wait for nodes (too few for f+1 pipelines): pipelines over the live nodes
+        instantiated as at the start (TooFewNodes while still too few), every layer a worker
+        lacks copied from a surviving holder of the plan before the wait; no holder left of
+        some layer is unrecoverable (Oobleck keeps no checkpoint)."""
+        old, before, idle_before = self.current, self.pipelines, self.idle
+        new = self.plan(cluster)
+        alive = cluster.alive
+        copies, orphaned = layer_copies(old, new, lambda w: cluster.node_of(w) in alive, self.ctx.cost_model)
+        if orphaned:
+            self.current, self.pipelines, self.idle = old, before, idle_before
+            return Recovery(unrecoverable=f"no surviving worker holds unit {orphaned[0][0]} of the model after the "
+                            "wait for nodes (units: 0 the embeddings, 1..L the blocks, L+1 the head)")
+        return Recovery(actions=[Rendezvous(), SyncFromPeers(copies)], plan=new)
 
     def _valid(self, nodes: int) -> bool:
         return self.templates.get(nodes) is not None

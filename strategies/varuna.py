@@ -20,7 +20,7 @@ from math import gcd
 
 from ftbench.actions import FILE, RestartJob, RestoreCheckpoint, SaveCheckpoint
 from ftbench.cluster import Cluster
-from ftbench.errors import ConfigError
+from ftbench.errors import ConfigError, TooFewNodes
 from ftbench.costs import PlanCosts
 from ftbench.failures import FailureEvent
 from ftbench.layers import GradientSync
@@ -36,6 +36,11 @@ class Varuna(CheckpointRestart):
     checkpoint_mode = FILE
     checkpoint_after_change = True  # a checkpoint once one iteration completes in the new shape
 
+    @staticmethod
+    def sized_by_membership(cfg) -> bool:
+        """With start=fastest its first shape comes from the live GPUs (ftbench.run.sized_by_membership)."""
+        return cfg.get("start", "configured") == "fastest"
+
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
         self._estimates: dict[tuple[int, int, int], float] = {}
@@ -49,24 +54,37 @@ class Varuna(CheckpointRestart):
         if start not in ("configured", "fastest"):
             raise ConfigError("strategy.start", f"unknown start '{start}'", "use configured or fastest")
         if start == "fastest" and not getattr(self, "_started", False):
-            self._started = True  # later plans (a checkpoint restart's) are the morphs' business
             alive = self.alive_workers(cluster)
             best = self.best_shape(len(alive), cluster.gpus_per_node)
-            if best is None:
-                raise ConfigError("strategy.start", f"no (pp, dp) shape of {self.ctx.spec.name} fits in memory on "
+            if best is None:  # on a trace, the run loop waits for joins that bring more GPUs
+                raise TooFewNodes("strategy.start", f"no (pp, dp) shape of {self.ctx.spec.name} fits in memory on "
                                   f"{len(alive)} GPUs", "use more GPUs, a GPU with more memory, or recompute")
+            self._started = True  # later plans (a checkpoint restart's) are the morphs' business
             return self._morph(cluster, best, alive)
         return super().plan(cluster)
 
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         alive = self.alive_workers(cluster)
         best = self.best_shape(len(alive), cluster.gpus_per_node)
+        # Too few GPUs for any shape: the job stops, its checkpoint on storage, until the
+        # trace brings enough nodes back (resume).
         if not alive:
             return Recovery(unrecoverable=f"node {event.node} was the last node up: no worker is left to restart on "
-                            "(varuna morphs onto the survivors and does not wait for replacements)")
+                            "(varuna morphs onto the survivors and asks for no replacements)", wait=True)
         if best is None:
             return Recovery(unrecoverable=f"no (pp, dp) shape of {self.ctx.spec.name} fits in memory on the "
-                            f"{len(alive)} surviving workers")
+                            f"{len(alive)} surviving workers", wait=True)
+        return Recovery(actions=[RestartJob(), RestoreCheckpoint(FILE)], plan=self._morph(cluster, best, alive),
+                        shape=best)
+
+    def resume(self, cluster: Cluster, iteration: int) -> Recovery:
+        """After a wait for nodes: restart in the fastest shape on the live GPUs from the last
+        checkpoint (TooFewNodes while no shape fits)."""
+        alive = self.alive_workers(cluster)
+        best = self.best_shape(len(alive), cluster.gpus_per_node)
+        if best is None:
+            raise TooFewNodes("strategy.start", f"no (pp, dp) shape of {self.ctx.spec.name} fits in memory on "
+                              f"{len(alive)} GPUs", "wait for the trace's joins")
         return Recovery(actions=[RestartJob(), RestoreCheckpoint(FILE)], plan=self._morph(cluster, best, alive),
                         shape=best)
 

@@ -1,3 +1,4 @@
+import math
 import os
 from pathlib import Path
 
@@ -54,12 +55,17 @@ def assert_matches_fault_free(tmp_path, setup=(), faults=()) -> dict:
     return faulty
 
 
-def seeded_failures(tag: str, nodes: int, count: int) -> str:
+def seeded_failures(tag: str, nodes: int, count: int, draw_at: bool = False) -> str:
     """`failures.events=[...]`: `count` failures of distinct nodes below `nodes`, at distinct
-    iterations 1..8 in order, drawn from the seed string `tag` (not picked by hand)."""
+    iterations 1..8 in order, drawn from the seed string `tag` (not picked by hand). With
+    `draw_at`, each also strikes at a point `at` of its iteration drawn uniformly from [0, 1)
+    (to 4 decimals, rounded down), after the other draws: the nodes and iterations are those
+    of the same tag without it."""
     import random
 
     rng = random.Random(tag)
     failed = rng.sample(range(nodes), count)
     iterations = sorted(rng.sample(range(1, 9), count))
-    return "failures.events=[" + ",".join(f"{{iteration:{i},node:{n}}}" for i, n in zip(iterations, failed)) + "]"
+    points = [f",at:{math.floor(rng.random() * 1e4) / 1e4}" for _ in range(count)] if draw_at else [""] * count
+    return "failures.events=[" + ",".join(f"{{iteration:{i},node:{n}{at}}}"
+                                          for i, n, at in zip(iterations, failed, points)) + "]"

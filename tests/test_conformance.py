@@ -32,6 +32,9 @@ def _scripts(T: float, first_recovery: tuple[float, float]) -> dict:
     t_fail, recovery_s = first_recovery
     return {
         "one failure": ((), [dict(iteration=3, node=3)]),
+        # at 0.97 of iteration 3, during the optimizer steps: some stages have stepped (their
+        # survivors undo it on local), the same events and lost work as on sim
+        "after the optimizer steps": ((), [dict(iteration=3, node=3, at=0.97)]),
         "two in one iteration": ((), [dict(iteration=3, node=1), dict(iteration=3, node=4)]),
         "two in one stage": ((), [dict(iteration=2, node=1), dict(iteration=5, node=3)]),
         "failure then join": ((), [dict(iteration=2, node=3), dict(iteration=5, node=3, kind="join")]),

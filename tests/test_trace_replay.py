@@ -98,3 +98,81 @@ def test_the_aws_traces_run_on_sim(tmp_path, strategy, trace):
         assert [r["event"] for r in records[:3]] == ["start", "join", "waiting"]
     else:
         assert not waits
+
+
+def _membership(run_dir) -> list[dict]:
+    """The trace events the run applied, in order (before the start, while running, while waiting)."""
+    return [r for r in read_metrics(run_dir) if r.get("event") in ("fail", "join") and not r.get("ignored")]
+
+
+@pytest.mark.parametrize("strategy, trace_rows, dip_s, back_s, end_s", [
+    # 2 nodes: oobleck's f+1 = 2 pipelines of one node; losing one leaves too few until a node comes
+    ("oobleck", "0,add,a\n0,add,b\n50000,remove,b\n100000,add,c\n300000,add,d\n", 50.0, 100.0, 300.0),
+    # varuna restarts on b (60 s), then has no worker left: it waits, then restarts from its checkpoint
+    ("varuna", "0,add,a\n0,add,b\n50000,remove,a\n150000,remove,b\n250000,add,c\n400000,add,d\n", 150.0, 250.0,
+     400.0),
+])
+def test_too_few_nodes_mid_trace_wait_for_joins(tmp_path, strategy, trace_rows, dip_s, back_s, end_s):
+    trace = tmp_path / "dip.csv"
+    trace.write_text(trace_rows)
+    extra = ("strategy.batch_split=greedy",) if strategy == "oobleck" else ()
+    s = run(tmp_path / "run", *AWS, f"strategy={strategy}", *extra, f"failures.path={trace}")
+    assert s["status"] == "ok", s["error"]
+    records = read_metrics(tmp_path / "run")
+    waiting = [r for r in records if r.get("event") == "waiting"]
+    resumed = [r for r in records if r.get("event") == "resumed"]
+    assert [r["time_s"] for r in waiting] == [pytest.approx(dip_s, abs=0.01)]
+    assert [r["time_s"] for r in resumed] == [back_s] and resumed[0]["waited_s"] == pytest.approx(back_s - dip_s, abs=0.01)
+    assert [(r["event"], r["node"], r.get("while_waiting")) for r in records if r.get("event") == "join"] == [
+        ("join", 2, True)]  # c (id 2) joins while the job waits; d's join is the trace's end
+    assert resumed[0]["nodes"] == (2 if strategy == "oobleck" else 1)  # a and c; c alone
+    assert records[records.index(resumed[0]) + 1]["event"] == "recovery"
+    assert end_s - s["iteration_time_s"] < s["time_s"] <= end_s
+    # the wait trains nothing: the run's productive time leaves it out
+    assert s["productive_s"] <= s["time_s"] - (back_s - dip_s) + 1e-6
+    # without a trace that brings nodes, the same loss still ends the run
+    s = run(tmp_path / "scripted", *SIM, "cluster.gpus_per_node=4", "cluster.pp=4", "cluster.dp=1",
+            "cluster.nodes=2", "cluster.spares=0", "train.global_batch=8", "train.iterations=1000",
+            f"strategy={strategy}", *extra, "failures=scripted",
+            "failures.events=[{iteration:3,node:1}]" if strategy == "oobleck"
+            else "failures.events=[{iteration:3,node:0},{iteration:5,node:1}]")
+    assert s["status"] == "unrecoverable"
+    assert not [r for r in read_metrics(tmp_path / "scripted") if r.get("event") == "waiting"]
+
+
+QUIET = ("wandb.mode=disabled", "report.gantt=false", "report.progress=false")
+
+
+@pytest.mark.parametrize("strategy", ["oobleck", "varuna", "bamboo"])
+def test_the_oobleck_table_aws_column_replays_the_trace(tmp_path, strategy):
+    """One cell of the AWS g4dn column of +experiment=oobleck-table2 (GPT-3 Medium), its first
+    half hour: the job starts with the trace's one node (cluster.nodes from the trace), waits
+    where the system cannot start on it, and applies the trace's events in order, at or after
+    their times; the run ends at the limit."""
+    from ftbench.cli import compose
+    from ftbench.run import execute
+
+    cfg = compose(["+experiment=oobleck-table2", "model=gpt3-medium", f"strategy={strategy}",
+                   "table.column=aws-g4dn", "train.max_hours=0.5", *QUIET])
+    s = execute(cfg, tmp_path, echo=lambda *_: None)
+    assert s["status"] == "ok", s["error"]
+    assert "aws-g4dn-trace.csv, shifted 480 s earlier" in s["failure_script"]
+    records = read_metrics(tmp_path)
+    assert next(r for r in records if r.get("event") == "start")["nodes"] == 1
+    initial, events = read_trace(TRACES_DIR / "aws-g4dn-trace.csv")
+    due = [e for e in events if e.time_s < 1800.0]
+    applied = _membership(tmp_path)
+    assert [(r["event"], r["node"]) for r in applied] == [(e.kind, e.node) for e in due][:len(applied)]
+    assert all(r["time_s"] >= e.time_s for r, e in zip(applied, due))
+    waits = [r["time_s"] for r in records if r.get("event") == "waiting"]
+    if strategy == "varuna":  # its fastest shape on one node's 4 GPUs
+        assert not waits
+    else:  # oobleck: 2 pipelines of n0 = 3 nodes; bamboo: 6 stages, a node each: 120 s brings 19 nodes
+        assert waits == [60.0, 120.0]
+        assert min(r["time_s"] for r in records if r.get("event") == "recovery") > 120.0
+    if strategy == "oobleck":  # its recoveries take seconds: it keeps up with the trace
+        assert len(applied) == len(due) == 36
+    else:  # restarts (varuna) and rendezvous (bamboo) of a minute or two: events queue behind them
+        assert len(applied) >= 25
+    assert 1800.0 - s["iteration_time_s"] < s["time_s"] < 1800.0 + 300.0
+    assert s["failures"] == sum(r["event"] == "fail" for r in applied) > 0

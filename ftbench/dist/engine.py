@@ -36,7 +36,8 @@ from ftbench.engine.worker import StageReplica, Worker
 from ftbench.layers import GradientSync, fragment_layout, model_layers, stage_units
 from ftbench.models.data import batch
 from ftbench.models.gpt import build_stage
-from ftbench.engine.local import covers, fragment_writers, holding, load_shards, replica_units, to_device
+from ftbench.engine.local import (covers, fragment_writers, holding, load_shards, replica_units, replicas_agree,
+                                  to_device)
 from ftbench.recovery_costs import SaveCost
 from ftbench.schedule import F, OPT, RSYNC, Op, dependency_graph, topological_order
 
@@ -46,16 +47,21 @@ class DistEngine:
                  device: torch.device, store=None, recompute: str = "none", undo: bool = False,
                  kill: tuple[int, int, int] | None = None):
         self.ctx, self.data, self.lr, self.weight_decay = ctx, data, lr, weight_decay
-        # backend.unannounced=recover: each replica's state at the start of the iteration in
-        # flight, so an unannounced death rolls the survivors back to it (None: not kept)
-        self.undo, self._undo = undo, None
+        # backend.unannounced=recover: an unannounced death rolls the survivors back to the start
+        # of the iteration in flight (roll_back). Nothing is copied for it: every replica's
+        # optimizer steps through its StepUndo (ftbench.engine.undo), which keeps the step's
+        # gradient until the iteration completes, as scripted strikes after a step need too.
+        self.undo = undo
+        # optimizer steps undone over the run by the whole job (abandoned iterations), as this
+        # rank learnt it: each strike's survivors sum their counts (DistBackend)
+        self.undone = 0
         self.kill = kill  # backend.kill: (rank, iteration, ops) where this job's chaos test dies
         self.recompute = recompute  # train.recompute, as the local backend's executor takes it
         self.dtype, self.transport, self.device, self.store = dtype, transport, device, store
         self.rank = transport.rank
         self.worker: Worker | None = None
         self.plan = None
-        self._steps = None  # (plan key, steps, loss slots, members)
+        self._steps = None  # (plan key, steps, loss slots, members, syncs each OPT waits for)
         self._crc = (None, 0)  # (plan, its fingerprint)
         self.peak_memory = 0
 
@@ -119,7 +125,8 @@ class DistEngine:
     # -- one iteration ----------------------------------------------------------------------
     def _plan_steps(self, plan):
         """This worker's part of the global order: ("start", sync) when a sum it takes part in
-        can start, ("op", op, syncs to wait for first); the position of every loss share."""
+        can start, ("op", op, syncs to wait for first); the position of every loss share; the
+        members of every sum; the sums every OPT of the plan (any worker's) waits for."""
         key = (plan.key(), self.transport.worker, self.transport.epoch)  # a standby may take a worker over
         if self._steps is not None and self._steps[0] == key:
             return self._steps[1:]
@@ -128,7 +135,7 @@ class DistEngine:
         members = {n: sync_members(plan, n) for n in deps if isinstance(n, GradientSync)}
         where = plan.schedule.index()
         me = self.transport.worker
-        steps, slots = [], {}
+        steps, slots, opt_syncs = [], {}, {}
         for node in order:
             if isinstance(node, GradientSync):
                 if me in members[node]:
@@ -136,11 +143,26 @@ class DistEngine:
                 continue
             if node.kind == F and plan.is_last_stage(node.pipeline, node.stage):
                 slots[node] = len(slots)
+            if node.kind == OPT:
+                opt_syncs[node] = [d for d in deps[node] if isinstance(d, GradientSync)]
             if where[node] == me:
-                waits = [d for d in deps[node] if isinstance(d, GradientSync)] if node.kind == OPT else []
-                steps.append(("op", node, waits))
-        self._steps = (key, steps, slots, members)
-        return steps, slots, members
+                steps.append(("op", node, opt_syncs.get(node, [])))
+        self._steps = (key, steps, slots, members, opt_syncs)
+        return steps, slots, members, opt_syncs
+
+    @staticmethod
+    def _cut_steps(steps: list, completed: frozenset, opt_syncs: dict) -> tuple[list, list]:
+        """This worker's steps of an iteration a failure cuts at `completed`: its completed ops,
+        and its part in every sum a completed optimizer step (anyone's) waits for, as the local
+        driver runs them (such a sum completed before the failure, every member having
+        contributed). A sum this worker takes part in but none of its completed ops waits for
+        is waited for after its last op (so the sum is whole on every member before anyone
+        moves on, or dies): (steps, those late waits)."""
+        needed = {sync for op in completed if op.kind == OPT for sync in opt_syncs.get(op, ())}
+        cut = [s for s in steps if (s[0] == "op" and s[1] in completed) or (s[0] == "start" and s[1] in needed)]
+        waited = {sync for s in cut if s[0] == "op" for sync in s[2]}
+        late = [s[1] for s in cut if s[0] == "start" and s[1] not in waited]
+        return cut, late
 
     def run_iteration(self, plan, iteration: int, completed: frozenset | None = None) -> float | None:
         """Run this worker's ops of iteration `iteration`; the loss (every rank gets it). With
@@ -148,9 +170,10 @@ class DistEngine:
         send only what a completed op takes, sum nothing and return None."""
         if self.plan is not plan:
             self.adopt(plan)
-        steps, slots, members = self._plan_steps(plan)
+        steps, slots, members, opt_syncs = self._plan_steps(plan)
+        late = []
         if completed is not None:
-            steps = [s for s in steps if s[0] == "op" and s[1] in completed]
+            steps, late = self._cut_steps(steps, completed, opt_syncs)
         schedule = plan.schedule
         offsets = [sum(schedule.microbatches[:p]) for p in range(len(schedule.microbatches))]
         b = self.ctx.microbatch_size
@@ -166,8 +189,7 @@ class DistEngine:
             extra = {} if self.recompute == "none" else {"recompute": self.recompute}
             transport = self.transport if completed is None else _CutTransport(self.transport, plan, completed)
             executor = WorkerExecutor(self.worker, transport, plan, tokens, normaliser, **extra)
-            if self.undo and completed is None:
-                self._undo = {layers: r.shard() for layers, r in self.worker.replicas.items()}
+            self._commit_steps()  # nothing recorded reaches back into an earlier iteration
             dies_after = self.kill[2] if self.kill and self.kill[:2] == (self.rank, iteration) and completed is None \
                 and isinstance(self.kill[2], int) else None
             for done, step in enumerate(steps):
@@ -184,6 +206,8 @@ class DistEngine:
                     vector[slots[op]] = share
             if dies_after is not None:
                 _die("backend.kill: unannounced, past this worker's last op of the iteration")
+            for sync in late:
+                executor.reduce_wait(sync, members[sync])
             self.transport.flush_sends()
             self.transport.flush_state_sends()  # redundant copies' refreshes (Bamboo)
             self._track_memory()
@@ -200,34 +224,45 @@ class DistEngine:
         if len(set(its)) != 1 or len(set(crcs)) != 1:
             raise DistError(f"the ranks' run loops disagree at iteration {iteration}: iterations "
                             f"{[int(m) - 1 for m in its]}, plan fingerprints {[int(m) for m in crcs]} (ranks {alive})")
+        self._commit_steps()  # every rank ended the iteration: its steps stand
         loss = torch.zeros((), dtype=torch.float64)
         for share in vector[:len(slots)].cpu():
             loss += share  # the global order, as the local driver adds
         return float(loss)
 
     def _track_memory(self) -> None:
-        state = sum(r.state_bytes() for r in self.worker.replicas.values())
+        """Weights, gradients, AdamW state and the undo's gradient copies (StepUndo.bytes),
+        which live from a replica's step to the iteration's end, plus the activations."""
+        state = sum(r.state_bytes() + r.undo.bytes() for r in self.worker.replicas.values())
         self.peak_memory = max(self.peak_memory, state + self.worker.peak_activation_bytes)
 
-    def roll_back(self) -> None:
-        """An unannounced death cut the iteration in flight: drop it, and give every replica
-        back the state it had when the iteration began (some may have stepped already)."""
-        self.abandon_iteration()
-        if self.worker is None:
-            return  # a standby: no state
-        if self._undo is None:
-            raise DistError(f"rank {self.rank} kept no state from before the iteration to roll back to")
-        for layers, shard in self._undo.items():
-            self.worker.replicas[layers].load(shard["model"], shard["optim"])
-        self._undo = None
-
-    def abandon_iteration(self) -> None:
-        """The iteration in flight is lost: drop its stash, deferred W and gradients, and every
-        message and sum in flight."""
+    def _commit_steps(self) -> None:
+        """The iteration's optimizer steps can no longer be abandoned: drop their undo records."""
         if self.worker is not None and self.worker.alive:
             for replica in self.worker.replicas.values():
+                replica.undo.clear()
+
+    def roll_back(self) -> int:
+        """An unannounced death cut the iteration in flight: drop it, and give every replica
+        back the state it had when the iteration began: those that stepped undo their step
+        (abandon_iteration), the others never left it. Returns the replicas undone here."""
+        if not self.undo:
+            raise DistError(f"rank {self.rank}: rolling back an iteration needs backend.unannounced=recover")
+        return self.abandon_iteration()
+
+    def abandon_iteration(self) -> int:
+        """The iteration in flight is lost and will be redone: replicas that already took its
+        optimizer step undo it (ftbench.engine.undo), and its stash, deferred W, gradients and
+        every message and sum in flight are dropped. Returns the replicas undone here."""
+        undone = 0
+        if self.worker is not None and self.worker.alive:
+            for replica in self.worker.replicas.values():
+                if replica.undo.recorded:
+                    replica.undo.undo()
+                    undone += 1
                 replica.reset_iteration()
         self.transport.clear()
+        return undone
 
     # -- recovery ---------------------------------------------------------------------------
     def restore(self, source: str, plan) -> int:
@@ -356,20 +391,23 @@ class DistEngine:
 
     def gather_final_state(self) -> dict | None:
         """The leader: the trained model (Hugging Face names), after checking that every replica
-        of every parameter, on every rank, holds the same weights. Other ranks: None."""
+        of every parameter, on every rank, holds the same weights (bit for bit, or to float
+        tolerance once some rank undid an optimizer step: ftbench.engine.local.replicas_agree).
+        Other ranks: None."""
         t = self.transport
         mine = {}
         if self.worker is not None:
             for layers, replica in self.worker.replicas.items():
                 mine[(self.worker.id, layers)] = {k: v.detach().cpu() for k, v in replica.named_parameters().items()}
-        gathered = t.all_gather_objects(mine, "gather the trained weights")
+        gathered = t.all_gather_objects((mine, self.undone), "gather the trained weights")
         if self.rank != t.leader:
             return None
+        exact = max(undone for _, undone in gathered) == 0
         state: dict = {}
-        for part in gathered:
+        for part, _ in gathered:
             for (w, layers), params in part.items():
                 for name, p in params.items():
-                    if name in state and not torch.equal(state[name], p):
+                    if name in state and not replicas_agree(state[name], p, exact):
                         raise RuntimeError(f"replicas of {name} diverged (worker {w}, layers {layers})")
                     state.setdefault(name, p)
         return state
@@ -484,7 +522,7 @@ class DistBackend:
         if t.rank in victims:
             _die("its node fails here (the failure script): every process of it")
         struck = time.perf_counter()
-        engine.abandon_iteration()
+        undone = engine.abandon_iteration()  # survivors that stepped go back to the iteration's start
         try:
             dead, detect_s = detect(self.store, t.alive, t.timeout_s)
             if dead != victims:
@@ -504,6 +542,18 @@ class DistBackend:
                          "detection_s": detect_s, "agreement_s": agree_s,
                          "new_group_s": time.perf_counter() - started, "struck_to_regrouped_s": 0.0}
         self._pending["struck_to_regrouped_s"] = time.perf_counter() - struck
+        if not any(op.kind == OPT for op in completed):
+            return 0  # nothing stepped: no rank undid anything (and no sum to wait for)
+        return self._job_undone(undone, f"the failure in iteration {iteration}")
+
+    def _job_undone(self, undone: int, where: str) -> int:
+        """The survivors' undone steps summed (every survivor calls it, in the new group): the
+        job's count, as the local backend has it, kept by every rank (DistEngine.undone)."""
+        engine = self.engine
+        total = torch.tensor([float(undone)], dtype=torch.float64, device=engine.device)
+        engine.transport.all_sum(total, f"count the optimizer steps undone after {where}")
+        engine.undone += int(total.item())
+        return int(total.item())
 
     def _unannounced(self, err: BaseException, plan, iteration: int, roll_back: bool = True) -> None:
         """A wait of iteration `iteration` failed. If processes died (a crash no failure script
@@ -514,7 +564,11 @@ class DistBackend:
         `roll_back=False`: the wait was outside an iteration (a checkpoint), whose state stands."""
         from ftbench.loop import FailuresDiscovered
 
-        nodes, record = self._lose(err, f"iteration {iteration}", self.engine.roll_back if roll_back else None)
+        undone = []
+        nodes, record = self._lose(err, f"iteration {iteration}",
+                                   (lambda: undone.append(self.engine.roll_back())) if roll_back else None)
+        if roll_back:
+            record["undone"] = self._job_undone(undone[0], f"the unannounced death in iteration {iteration}")
         self._pending = {"iteration": iteration, **record}
         raise FailuresDiscovered(nodes, f"ranks {record['dead_ranks']} stopped beating ({type(err).__name__})")
 

@@ -32,12 +32,15 @@ class LocalBackend:
         self._use(plan)
         return self.engine.run_iteration(iteration).loss
 
-    def strike(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int]) -> None:
+    def strike(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int]) -> int:
+        """The completed ops run (optimizer steps among them), the dead workers lose their
+        state, and the survivors abandon the iteration, undoing the steps they took in it;
+        the replicas undone."""
         self._use(plan)
         if completed:
             self.engine.run_iteration(iteration, completed=completed)
         self.engine.destroy(dead_workers)
-        self.engine.abandon_iteration()
+        return self.engine.abandon_iteration()
 
     def perform(self, actions, old: Plan, new: Plan, iteration: int) -> int | None:
         engine, restored = self.engine, None

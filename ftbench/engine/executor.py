@@ -1,9 +1,10 @@
 """Execute one iteration of a plan on real tensors.
 
 `WorkerExecutor` runs one worker's ops (F, B, W, BW, OPT, and its part in gradient syncs) on
-that worker's own state; everything it exchanges with other workers goes through a
-`Transport` (ftbench.engine.transport), so a `dist` backend (one process per worker) and
-Swift's logging transport reuse it unchanged.
+that worker's own state (OPT steps through the replica's StepUndo, so that an iteration a
+failure abandons after the step can be undone: ftbench.engine.undo); everything it exchanges
+with other workers goes through a `Transport` (ftbench.engine.transport), so a `dist` backend
+(one process per worker) and Swift's logging transport reuse it unchanged.
 
 `Executor` is the in-process driver: it runs every worker's ops in one topological order of
 the schedule's dependency graph that also keeps each worker's own order, so each worker sees
@@ -85,9 +86,9 @@ class WorkerExecutor:
         elif op.kind == W:
             replica.store.flush((op.pipeline, op.microbatch))
         elif op.kind == OPT:
-            replica.optimizer.step()
-            replica.optimizer.zero_grad(set_to_none=True)
+            replica.undo.step()  # records the step (its gradient), so an abandoned iteration can undo it
             self._send_to_redundant(op, replica)
+            replica.optimizer.zero_grad(set_to_none=True)
         elif op.kind == RF:
             self._redundant_forward(op, replica)
         elif op.kind == RSYNC:
@@ -127,17 +128,22 @@ class WorkerExecutor:
 
     def _send_to_redundant(self, op: Op, replica: StageReplica) -> None:
         """After the step, send the stage's weights and optimizer state to the worker holding
-        its redundant copy (Bamboo keeps the copy in step this way)."""
+        its redundant copy (Bamboo keeps the copy in step this way), with the gradients the
+        step applied: the copy's undo records the refresh as that step, so a failure later in
+        the iteration takes the copy back to the iteration's start like the original."""
         refresh = Op(RSYNC, op.stage, op.microbatch, op.pipeline)
         dst = self.plan.schedule.index().get(refresh)
         if dst is not None:
-            self.transport.send_state(self._units(op), replica.shard(), self.worker.id, dst)
+            shard = replica.shard()
+            shard["grad"] = {n: p.grad.detach().clone() for n, p in replica.named_parameters().items()
+                             if p.grad is not None}
+            self.transport.send_state(self._units(op), shard, self.worker.id, dst)
 
     def _refresh_redundant(self, op: Op, replica: StageReplica) -> None:
         src = self._peer(Op(OPT, op.stage, op.microbatch, op.pipeline))
         shard = self.transport.receive_state(self._units(op), src, self.worker.id)
         replica.stash.clear()  # the redundant forwards' activations live until the iteration ends
-        replica.load(shard["model"], shard["optim"])
+        replica.load(shard["model"], shard["optim"], grads=shard.get("grad"))
 
     # -- gradient syncs -----------------------------------------------------------------
     def _sync_replica(self, sync: GradientSync) -> StageReplica:

@@ -8,12 +8,18 @@ with different partitions (Oobleck) hold different ranges. A failure
 calls `Worker.destroy()`: every tensor is freed (parameters emptied, optimizer state and
 stash dropped) and any later access raises `WorkerFailed`, so a strategy can only get the
 state back through its own recovery actions.
+
+Each replica's optimizer steps through its `StepUndo` (ftbench.engine.undo), which keeps the
+gradient of the iteration's step until the iteration is committed: when a failure abandons
+the iteration after the replica stepped, the engine undoes that step (the replica is back at
+the iteration's start, to float rounding) instead of keeping a copy of its state.
 """
 from __future__ import annotations
 
 import torch
 
 from ftbench.engine.deferred import WeightGradStore, make_deferrable
+from ftbench.engine.undo import StepUndo
 from ftbench.layers import Units, in_units
 from ftbench.plan import LayerRange
 from ftbench.models.gpt import Stage
@@ -37,6 +43,7 @@ class StageReplica:
         self.store = WeightGradStore()
         self._module = make_deferrable(module, self.store)
         self._optimizer = make_optimizer(module.parameters(), lr, weight_decay)
+        self._undo = StepUndo(self._optimizer)  # the OPT op steps through it (Executor)
         self.names = module.hf_names()  # local parameter name -> Hugging Face GPT-2 name
         # (pipeline, microbatch) -> (stage input, stage output or loss, bytes); with recompute=full
         # (stage input, targets on the last stage else None, the input's bytes): B/BW rebuild the rest
@@ -59,6 +66,13 @@ class StageReplica:
     def optimizer(self) -> torch.optim.Optimizer:
         self._check()
         return self._optimizer
+
+    @property
+    def undo(self) -> StepUndo:
+        """The undo of this replica's last optimizer step (recorded while the iteration in
+        flight can still be abandoned; cleared when it completes or starts)."""
+        self._check()
+        return self._undo
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """Parameters by their Hugging Face name (the checkpoint and final-state key)."""
@@ -87,9 +101,21 @@ class StageReplica:
                 optim[name] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
         return {"model": {n: p.detach().clone() for n, p in params.items()}, "optim": optim}
 
-    def load(self, model: dict, optim: dict) -> None:
-        """Take weights and AdamW state from merged shards (any partition)."""
+    def load(self, model: dict, optim: dict, grads: dict | None = None) -> None:
+        """Take weights and AdamW state from merged shards (any partition). Any recorded step
+        is forgotten (the state it would undo is replaced). With `grads` (Bamboo's refresh of
+        a redundant copy: by name, the gradients the sender's optimizer step applied, the
+        sender's pre-step state being this replica's present one), the load is that step:
+        this replica's undo records it, so undoing gives the state before the load back."""
         opt = self.optimizer
+        self._undo.clear()
+        if grads is not None:
+            params = self.named_parameters()
+            for name, p in params.items():
+                p.grad = grads[name].to(p) if name in grads else None
+            self._undo.record()
+            for p in params.values():
+                p.grad = None
         with torch.no_grad():
             for name, p in self.named_parameters().items():
                 if name not in model:
@@ -107,7 +133,8 @@ class StageReplica:
             self._optimizer.zero_grad(set_to_none=True)
 
     def state_bytes(self) -> int:
-        """Weights + gradients + AdamW moments held by this replica."""
+        """Weights + gradients + AdamW moments held by this replica (the undo's gradient copy,
+        `undo.bytes()`, is apart)."""
         n = sum(p.numel() * p.element_size() for p in self.module.parameters())
         return 2 * n + sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
                            for v in s.values() if torch.is_tensor(v))
@@ -119,12 +146,13 @@ class StageReplica:
             p.data = torch.empty(0)
             p.grad = None
         self._optimizer.state.clear()
+        self._undo.clear()
         self.stash.clear()
         self.store.clear()
         self.commit = None
         self._fragments.clear()
         self.alive = False
-        self._module = self._optimizer = None
+        self._module = self._optimizer = self._undo = None
 
 
 class Worker:

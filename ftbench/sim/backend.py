@@ -31,7 +31,9 @@ class SimBackend:
         return None
 
     def strike(self, plan, iteration, completed, dead_workers) -> None:
-        pass  # the lost work is the time the loop already charged
+        # the lost work is the time the loop already charged; undoing the steps survivors took
+        # in the iteration (local/dist: ftbench.engine.undo) is not charged (None: no state held)
+        return None
 
     def perform(self, actions, old: Plan, new: Plan, iteration: int) -> int | None:
         restored = None

@@ -672,7 +672,8 @@ def ops_completed_at(result: SimResult, fraction: float, stop_before_optimizer: 
     under dependencies (a step only with its fragments' syncs, hence every input of them)
     and under each worker's order. By default the failure strikes before any optimizer step
     (no OPT, nor anything after one); with stop_before_optimizer=False some stages may have
-    stepped while others have not."""
+    stepped while others have not: where the run loop cuts failures (ftbench.loop, `_point`),
+    the survivors that stepped undo it (ftbench.engine.undo)."""
     if result.schedule is None:
         raise ValueError("this SimResult does not carry its schedule (not made by simulate)")
     schedule = result.schedule
