@@ -94,9 +94,23 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _finite(obj: Any) -> Any:
+    """`obj` with every NaN or infinity as None: summary.json is strict JSON (a run that ended
+    early has NaN losses for the iterations it did not reach; strict parsers reject NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def write_summary(run_dir: Path | str, summary: dict) -> Path:
-    """Atomically write <run_dir>/summary.json: readers see the old file or the whole new one."""
+    """Atomically write <run_dir>/summary.json: readers see the old file or the whole new one.
+    Numbers that are not finite are written as null (strict JSON)."""
     check_summary(summary)
+    summary = _finite(summary)
     folder = Path(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / SUMMARY_FILE
@@ -105,7 +119,7 @@ def write_summary(run_dir: Path | str, summary: dict) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as tmp:
             os.fchmod(tmp.fileno(), 0o644)  # mkstemp makes it 0600; the summary is for everyone to read
-            tmp.write(_dumps(summary, indent=2) + "\n")
+            tmp.write(_dumps(summary, indent=2, allow_nan=False) + "\n")
             tmp.flush()
             os.fsync(tmp.fileno())
         os.replace(tmp_name, target)

@@ -523,3 +523,22 @@ def test_log_sweep_table_offline(offline_sweep):
     assert run.job_type == "sweep-summary" and run.run_group.endswith("_20-00-00-abcd")
     (row,) = history_rows(records)
     assert row["sweep/_type"] == "table-file" and row["sweep/nrows"] == 2
+
+
+def test_a_summary_is_strict_json_even_with_losses_not_reached(tmp_path):
+    """A run that ended early has NaN losses for the iterations it did not reach: written as
+    null, so strict parsers (which reject NaN and Infinity) read the file."""
+    import json
+    import math
+
+    from ftbench.metrics import SUMMARY_KEYS, write_summary
+
+    summary = {**{key: 0 for key in SUMMARY_KEYS}, "status": "error", "throughput": math.nan,
+               "losses": [5.0, math.nan, math.inf], "nested": {"x": -math.inf}}
+    path = write_summary(tmp_path, summary)
+
+    def strict(constant):
+        raise ValueError(f"non-strict JSON constant {constant}")
+
+    back = json.loads(path.read_text(), parse_constant=strict)
+    assert back["losses"] == [5.0, None, None] and back["nested"] == {"x": None} and back["throughput"] is None
