@@ -352,7 +352,8 @@ def _final_shape(s: dict) -> str:
 def format_summary(summary: dict) -> str:
     """A short aligned table of one run for the console."""
     s = summary
-    sim = s.get("backend") == "sim"
+    # the modelled clock (sim, or local/dist with backend.clock=model) is simulated time
+    sim = s.get("backend") == "sim" or s.get("clock") == "model"
     totals = recovery_totals(s)
     peak = peak_memory_max(s)
     throughput = s.get("throughput")

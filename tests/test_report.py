@@ -132,6 +132,12 @@ def test_format_summary_shows_ettr_as_a_percentage():
     assert ettr_line(time_s=0.0).endswith(" -")
 
 
+def test_format_summary_names_the_modelled_clock_simulated_time():
+    local_modelled = format_summary({"status": "ok", "backend": "local", "clock": "model", "time_s": 60.0})
+    assert "simulated time" in local_modelled and "wall time" not in local_modelled
+    assert "wall time" in format_summary({"status": "ok", "backend": "local", "clock": "wall", "time_s": 60.0})
+
+
 def test_format_summary_of_a_failed_run_with_few_keys():
     text = format_summary({"status": "oom", "error": "stage 3 needs 50 GB", "backend": "local"})
     assert "oom: stage 3 needs 50 GB" in text
