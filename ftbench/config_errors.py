@@ -48,15 +48,29 @@ def _fix(setting: str, text: str, conf_dir: Path) -> str:
     return "check the value's type and syntax (`ftbench --help` lists the settings)"
 
 
+def _new_folder(stem: Path) -> Path:
+    """`stem`, or `stem-2`, `stem-3`, ... : a folder of its own, so that two config errors in
+    the same second do not share (and overwrite) one."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for k in range(1, 10_000):
+        folder = stem if k == 1 else stem.with_name(f"{stem.name}-{k}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+    raise OSError(f"no free folder name beside {stem}")
+
+
 def explain_composition_error(err: BaseException, overrides: list[str], conf_dir: Path) -> int:
     """Print the paragraph, write `runs/<date>/<time>-config-error/summary.json`, return the exit code."""
     text = _messages(err)
     setting = _setting(text, overrides)
     problem = text.strip().splitlines()[0].rstrip(".") if text.strip() else type(err).__name__
     error = ConfigError(setting, problem, _fix(setting, text, conf_dir))
-    run_dir = Path("runs") / time.strftime("%Y-%m-%d") / f"{time.strftime('%H-%M-%S')}-config-error"
+    stem = Path("runs") / time.strftime("%Y-%m-%d") / f"{time.strftime('%H-%M-%S')}-config-error"
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = _new_folder(stem)
         summary = {"status": "error", "error": str(error), "overrides": overrides}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         where = f"\nRun folder: {run_dir}"

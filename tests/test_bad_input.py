@@ -287,3 +287,20 @@ def test_local_run_goes_on_when_the_disk_is_full(tmp_path, monkeypatch):
 
     skipped = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["event"] == "checkpoint_skipped"]
     assert {r["iteration"] for r in skipped} == {4} and "could not be written" in skipped[0]["reason"]
+
+
+def test_two_config_errors_in_the_same_second_keep_both_folders(tmp_path, monkeypatch, capsys):
+    import json
+    import time
+
+    from ftbench.config_errors import explain_composition_error
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "2026-01-01" if "%Y" in fmt else "12-00-00")
+    for bad in ("cluster.pp=two", "cluster.dp=three"):
+        explain_composition_error(ValueError(f"bad value in {bad}"), [bad], tmp_path)
+    folders = sorted((tmp_path / "runs" / "2026-01-01").iterdir())
+    assert [f.name for f in folders] == ["12-00-00-config-error", "12-00-00-config-error-2"]
+    overrides = [json.loads((f / "summary.json").read_text())["overrides"] for f in folders]
+    assert overrides == [["cluster.pp=two"], ["cluster.dp=three"]]
+    assert "12-00-00-config-error-2" in capsys.readouterr().err
