@@ -35,7 +35,18 @@ def _setting(text: str, overrides: list[str]) -> str:
     return next((k for k in keys if k and k in text), keys[0] if keys else "the command line")
 
 
+_TYPES = {"Integer": "an integer (e.g. 2)", "Float": "a number (e.g. 0.5)", "valid bool": "true or false"}
+
+
 def _fix(setting: str, text: str, conf_dir: Path) -> str:
+    if "Ambiguous value for argument" in text:  # a comma list is a sweep: Hydra's own hint, kept
+        given = re.search(r"Ambiguous value for argument '([^']+)'", text)
+        sweep = given.group(1) if given else f"{setting}=a,b"
+        return f"a comma-separated list sweeps several values: add --multirun (`ftbench --multirun {sweep}`), or give one value"
+    for word, kind in _TYPES.items():
+        if f"converted to {word}" in text or f"is not a {word}" in text:
+            value = re.search(r"Value '([^']*)'", text)
+            return f"{setting} takes {kind}" + (f", not '{value.group(1)}'" if value else "")
     folder = conf_dir / setting
     if folder.is_dir():  # an unknown option of a config group
         options = sorted(p.stem for p in folder.glob("*.yaml"))

@@ -304,3 +304,26 @@ def test_two_config_errors_in_the_same_second_keep_both_folders(tmp_path, monkey
     overrides = [json.loads((f / "summary.json").read_text())["overrides"] for f in folders]
     assert overrides == [["cluster.pp=two"], ["cluster.dp=three"]]
     assert "12-00-00-config-error-2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override,words", [
+    ("strategy=checkpoint,varuna", ["add --multirun", "`ftbench --multirun strategy=checkpoint,varuna`"]),
+    ("cluster.pp=two", ["cluster.pp takes an integer", "not 'two'"]),
+    ("train.lr=fast", ["train.lr takes a number", "not 'fast'"]),
+    ("report.gantt=maybe", ["report.gantt takes true or false"]),
+])
+def test_hydras_rejections_name_the_fix(tmp_path, monkeypatch, capsys, override, words):
+    """A comma list without --multirun keeps Hydra's hint; a value of the wrong type says the type."""
+    from conftest import ROOT
+    from ftbench.cli import compose
+    from ftbench.config_errors import explain_composition_error
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Exception) as caught:
+        compose(["backend=sim", override])
+    assert explain_composition_error(caught.value, [override], ROOT / "conf") == 2
+    (folder,) = (tmp_path / "runs").glob("*/*-config-error")
+    error = json.loads((folder / "summary.json").read_text())["error"]
+    assert error.startswith(f"Invalid setting `{override.split('=')[0]}`")
+    for word in words:
+        assert word in error, error
