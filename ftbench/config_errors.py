@@ -38,6 +38,24 @@ def _setting(text: str, overrides: list[str]) -> str:
 _TYPES = {"Integer": "an integer (e.g. 2)", "Float": "a number (e.g. 0.5)", "valid bool": "true or false"}
 
 
+def _strategies_with(setting: str, conf_dir: Path) -> list[str]:
+    """The strategy options (conf/strategy/*.yaml) whose schema has the field `strategy.X`."""
+    if not setting.startswith("strategy."):
+        return []
+    import dataclasses
+
+    from ftbench.config import STRATEGY_SCHEMAS
+
+    field = setting.split(".", 1)[1]
+    owners = []
+    for path in sorted((conf_dir / "strategy").glob("*.yaml")):
+        schema = re.search(r"/schema/strategy/([\w-]+)@", path.read_text(encoding="utf-8"))
+        node = STRATEGY_SCHEMAS.get(schema.group(1)) if schema else None
+        if node is not None and field in {f.name for f in dataclasses.fields(node)}:
+            owners.append(path.stem)
+    return owners
+
+
 def _fix(setting: str, text: str, conf_dir: Path) -> str:
     if "Ambiguous value for argument" in text:  # a comma list is a sweep: Hydra's own hint, kept
         given = re.search(r"Ambiguous value for argument '([^']+)'", text)
@@ -51,10 +69,14 @@ def _fix(setting: str, text: str, conf_dir: Path) -> str:
     if folder.is_dir():  # an unknown option of a config group
         options = sorted(p.stem for p in folder.glob("*.yaml"))
         return f"choose one of {', '.join(options)}"
-    if "To append to your config use" in text or "not in" in text:
+    if "To append to your config use" in text or "not in" in text or "Could not override" in text:
         from ftbench.context import schema_keys
 
-        close = difflib.get_close_matches(setting, schema_keys(), n=3, cutoff=0.6)
+        owners = _strategies_with(setting, conf_dir)
+        if owners:  # a field of another strategy than the one chosen
+            which = f"strategy={owners[0]}" if len(owners) == 1 else f"the strategies {', '.join(owners)}"
+            return f"{setting} is a setting of {which} only: choose {'it' if len(owners) == 1 else 'one'}, or drop it"
+        close = [k for k in difflib.get_close_matches(setting, schema_keys(), n=4, cutoff=0.6) if k != setting][:3]
         return (f"did you mean {' or '.join(close)}? " if close else "") + "see `ftbench --help` for the settings"
     return "check the value's type and syntax (`ftbench --help` lists the settings)"
 

@@ -311,6 +311,8 @@ def test_two_config_errors_in_the_same_second_keep_both_folders(tmp_path, monkey
     ("cluster.pp=two", ["cluster.pp takes an integer", "not 'two'"]),
     ("train.lr=fast", ["train.lr takes a number", "not 'fast'"]),
     ("report.gantt=maybe", ["report.gantt takes true or false"]),
+    ("strategy.level=reroute", ["strategy.level is a setting of strategy=recycle only"]),
+    ("strategy.every=3", ["the strategies checkfreq, checkpoint, elastic-horovod, recycle, varuna only"]),
 ])
 def test_hydras_rejections_name_the_fix(tmp_path, monkeypatch, capsys, override, words):
     """A comma list without --multirun keeps Hydra's hint; a value of the wrong type says the type."""
@@ -320,7 +322,7 @@ def test_hydras_rejections_name_the_fix(tmp_path, monkeypatch, capsys, override,
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(Exception) as caught:
-        compose(["backend=sim", override])
+        compose(["backend=sim", "strategy=oobleck", override])
     assert explain_composition_error(caught.value, [override], ROOT / "conf") == 2
     (folder,) = (tmp_path / "runs").glob("*/*-config-error")
     error = json.loads((folder / "summary.json").read_text())["error"]
