@@ -56,6 +56,17 @@ def _strategies_with(setting: str, conf_dir: Path) -> list[str]:
     return owners
 
 
+def _expanded_braces(overrides: list[str]) -> str | None:
+    """A key given twice with `[k:v]` values: the shell's brace expansion split an unquoted
+    `key=[{a:1,b:2}]` into `key=[a:1]` and `key=[b:2]`."""
+    seen: dict[str, int] = {}
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if re.fullmatch(r"\[[\w.]+:[^,{}\[\]]*\]", value.strip()):
+            seen[key] = seen.get(key, 0) + 1
+    return next((key for key, n in seen.items() if n > 1), None)
+
+
 def _fix(setting: str, text: str, conf_dir: Path) -> str:
     if "Ambiguous value for argument" in text:  # a comma list is a sweep: Hydra's own hint, kept
         given = re.search(r"Ambiguous value for argument '([^']+)'", text)
@@ -100,7 +111,10 @@ def explain_composition_error(err: BaseException, overrides: list[str], conf_dir
     text = _messages(err)
     setting = _setting(text, overrides)
     problem = text.strip().splitlines()[0].rstrip(".") if text.strip() else type(err).__name__
-    error = ConfigError(setting, problem, _fix(setting, text, conf_dir))
+    expanded = _expanded_braces(overrides)
+    fix = (f"quote the override, e.g. '{expanded}=[{{iteration:3,node:5}}]': the shell expanded its braces "
+           f"into several {expanded}=[...] arguments" if expanded else _fix(setting, text, conf_dir))
+    error = ConfigError(setting, problem, fix)
     stem = Path("runs") / time.strftime("%Y-%m-%d") / f"{time.strftime('%H-%M-%S')}-config-error"
     try:
         run_dir = _new_folder(stem)

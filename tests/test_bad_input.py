@@ -329,3 +329,18 @@ def test_hydras_rejections_name_the_fix(tmp_path, monkeypatch, capsys, override,
     assert error.startswith(f"Invalid setting `{override.split('=')[0]}`")
     for word in words:
         assert word in error, error
+
+
+def test_braces_the_shell_expanded_get_a_hint_to_quote(tmp_path, monkeypatch):
+    """Unquoted, `failures.events=[{iteration:3,node:5}]` reaches us as two arguments."""
+    from conftest import ROOT
+    from ftbench.cli import compose
+    from ftbench.config_errors import explain_composition_error
+
+    monkeypatch.chdir(tmp_path)
+    split = ["backend=sim", "failures=scripted", "failures.events=[iteration:3]", "failures.events=[node:5]"]
+    with pytest.raises(Exception) as caught:
+        compose(split)
+    explain_composition_error(caught.value, split, ROOT / "conf")
+    (folder,) = (tmp_path / "runs").glob("*/*-config-error")
+    assert "quote the override" in json.loads((folder / "summary.json").read_text())["error"]
