@@ -18,7 +18,7 @@ Setups (assumptions where the papers do not say):
   - "Oobleck's table" (Oobleck SOSP'23, Table 2): 30 nodes of 4 A100 40 GB GPUs; Bamboo with 6
     stages per pipeline (the step of Oobleck's Bamboo throughput table, 6 nodes) and one
     node per stage, so 5 x 4 pipelines; global batch BERT-Large 8192, GPT-2 1024, GPT-3 Medium
-    819, 2.7B 512, 6.7B 1024 (REFERENCE.md), each rounded to a multiple of 20 pipelines x the
+    819, 2.7B 512, 6.7B 1024 (the Oobleck artifact, SymbioticLab/Oobleck sosp23-artifact, tools/simulator/), each rounded to a multiple of 20 pipelines x the
     micro-batch (`none` needs that); micro-batches of 2 (BERT) and 4 (GPT-2), Bamboo's own
     example configurations, and 8 / 4 / 4 for the GPT-3 models (benchmarks/oobleck_table.py)
     (external/deepspeed/DeepSpeedExamples/pipeline_parallelism/{bert,gpt2}.json); the model's

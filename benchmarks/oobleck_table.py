@@ -5,7 +5,7 @@ beside the published cells, with ratios; and throughput by live-node count, 30 d
     python benchmarks/oobleck_table.py [--models gpt3-medium gpt3-2.7b gpt3-6.7b] [--hardware a100-40gb]
 
 What is calibrated, once per model: `hardware.efficiency`, so that fault-free Oobleck on 30
-nodes trains at the artifact's measured fault-free throughput (REFERENCE.md: Medium 38.47,
+nodes trains at the artifact's measured fault-free throughput (the Oobleck artifact, tools/simulator/: Medium 38.47,
 2.7B 9.21, 6.7B 5.51 samples/s). Everything under failures comes from the strategy's own
 mechanism: re-instantiation, the layer copies it charges by bytes over the links, the
 rendezvous, the lost iteration in flight, and the plans' simulated iterations.
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from ftbench.cli import compose  # noqa: E402
 from ftbench.run import execute  # noqa: E402
 
-# REFERENCE.md: Oobleck's Table 2 cells (samples/s) and the artifact's fault-free throughput.
+# Oobleck's Table 2 cells (SOSP 2023) (samples/s) and the artifact's fault-free throughput.
 PUBLISHED = {"gpt3-medium": {"6h": 29.30, "1h": 29.21, "10m": 28.70},
              "gpt3-2.7b": {"6h": 7.29, "1h": 7.23, "10m": 6.89},
              "gpt3-6.7b": {"6h": 4.33, "1h": 4.22, "10m": 3.55}}
