@@ -142,31 +142,32 @@ def test_undo_returns_the_state_before_the_step(kind, dtype, weight_decay, steps
         assert len(optimizer.state) == 0
 
 
+def _stepped_and_undone(kind, dtype, weight_decay, steps):
+    """A fresh history, one more step through StepUndo and its undo: (params, optimizer, the
+    state after the step, the state after the undo)."""
+    params, optimizer = history(kind, dtype, weight_decay, steps)
+    undo = StepUndo(optimizer)
+    set_grads(params, steps)
+    undo.step()
+    after = snapshot(optimizer, params)
+    undo.undo()
+    return params, optimizer, after, snapshot(optimizer, params)
+
+
 @pytest.mark.parametrize("kind,dtype,weight_decay,steps", CASES, ids=IDS)
 def test_redo_after_undo_equals_the_step(kind, dtype, weight_decay, steps):
     """The use case: undo the interrupted iteration's step, then take the step again, with the
     same gradient (step-undo-step equals step) and with a different one (equals that step
     taken from the original state). The bound carries through one step: AdamW normalises the
     update per element, and momentum and weight decay scale errors by factors below one."""
-    params, optimizer = history(kind, dtype, weight_decay, steps)
+    params, optimizer, after, undone = _stepped_and_undone(kind, dtype, weight_decay, steps)
     twin_params, twin = history(kind, dtype, weight_decay, steps)  # never undone
-    undo = StepUndo(optimizer)
-    set_grads(params, steps)
-    undo.step()
-    after = snapshot(optimizer, params)
-    undo.undo()
-    undone = snapshot(optimizer, params)
     set_grads(params, steps)
     optimizer.step()
     assert_state_close(snapshot(optimizer, params), after, undone)
 
-    params, optimizer = history(kind, dtype, weight_decay, steps)  # a different gradient after the undo
-    undo = StepUndo(optimizer)
-    set_grads(params, steps)
-    undo.step()
-    after = snapshot(optimizer, params)
-    undo.undo()
-    undone = snapshot(optimizer, params)
+    # a different gradient after the undo
+    params, optimizer, after, undone = _stepped_and_undone(kind, dtype, weight_decay, steps)
     gen = torch.Generator().manual_seed(77)
     for p, q in zip(params, twin_params):
         q.grad = p.grad = other_gradient(p.grad, gen)
