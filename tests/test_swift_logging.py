@@ -45,3 +45,20 @@ def test_parallel_recovery_divides_the_replay():
     one = SelectiveLogging([1.0, 2.0], [1.0], 4, 10).plan_of([(0, 1)])
     four = SelectiveLogging([1.0, 2.0], [1.0], 4, 10, parallel=4).plan_of([(0, 1)])
     assert four.recovery_s == pytest.approx(one.recovery_s / 4)
+
+
+def test_the_benchmark_prints_a_curve_per_model_and_plots_them(tmp_path, capsys):
+    """benchmarks/swift_logging.py as the README runs it (one model here, to stay quick)."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import swift_logging
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert swift_logging.main(["--models", "gpt3-medium", "--pp", "4", "--plot", str(tmp_path / "c.png")]) == 0
+    out = capsys.readouterr().out
+    assert "gpt3-medium" in out and out.count("\n| ") == 5  # header + a row per plan: 4, 3, 2, 1 groups
+    assert (tmp_path / "c.png").stat().st_size > 0
