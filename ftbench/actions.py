@@ -75,5 +75,30 @@ class SyncFromPeers:
     copies: tuple[Transfer, ...] = ()
 
 
+@dataclass(frozen=True)
+class UndoSteps:
+    """Survivors whose stages already applied the interrupted iteration's optimizer step
+    invert it (ftbench.engine.undo), so every stage stands at the iteration's start. The
+    engine undoes them when the failure strikes, for every strategy; this action is where
+    Swift's recovery charges that pass on the modelled clock (nothing more to do for real)."""
+
+
+@dataclass(frozen=True)
+class ReplayLogs:
+    """Swift's logging-based recovery: `workers` (the failed ones' replacements and the rest
+    of their logging group) load their replicas from the checkpoint of iteration `since` and
+    replay iterations since..until-1, reading what crosses a logged boundary from the log
+    files instead of receiving it from the other workers, which wait. With `helpers`, each
+    replayed iteration's micro-batches are split across that many groups of workers
+    (parallel recovery: `helpers[k]` are group k's workers, each loading the checkpoint of
+    the replayed worker at the same place), their gradients summed before each step. Nothing
+    is rolled back: the run goes on at `until`."""
+    workers: tuple[int, ...]
+    since: int
+    until: int
+    helpers: tuple[tuple[int, ...], ...] = ()
+
+
 # Every recovery action; a backend must handle each (tests/test_actions.py checks).
-ACTIONS = (SaveCheckpoint, WaitForReplacement, RestartJob, RestoreCheckpoint, Rendezvous, SyncFromPeers)
+ACTIONS = (SaveCheckpoint, WaitForReplacement, RestartJob, RestoreCheckpoint, Rendezvous, SyncFromPeers, UndoSteps,
+           ReplayLogs)

@@ -157,6 +157,15 @@ class ReCycleConfig(CheckpointConfig):
 
 
 @dataclass
+class SwiftConfig(CheckpointConfig):
+    """Swift: undo, replica copies, logging and replay from its own checkpoints (`every`, `keep`)."""
+    name: str = "swift"
+    log_dir: str = "swift-logs"  # where the boundary logs are written, inside the run folder (local/dist)
+    log_budget_gb: Optional[float] = None  # selective logging: most log bytes on storage, GB (null: log every node boundary)
+    parallel_recovery: int = 1  # workers sharing each replayed worker's replay (1: serial; k: it and k - 1 survivors)
+
+
+@dataclass
 class OobleckConfig(StrategyConfig):
     """Oobleck: pipeline templates, heterogeneous pipelines, re-instantiation on failures."""
     name: str = "oobleck"
@@ -240,7 +249,7 @@ class FTBenchConfig:
 # Strategy schemas, by strategy name; later strategies add theirs here.
 STRATEGY_SCHEMAS: dict[str, type] = {"none": StrategyConfig, "checkpoint": CheckpointConfig,
                                      "recycle": ReCycleConfig, "oobleck": OobleckConfig,
-                                     "bamboo": BambooConfig}  # presets reuse "checkpoint"
+                                     "bamboo": BambooConfig, "swift": SwiftConfig}  # presets reuse "checkpoint"
 
 BACKENDS = ("sim", "local", "dist")  # backend=...; which of them run is ftbench.run's business
 

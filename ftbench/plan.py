@@ -38,6 +38,9 @@ class Plan:
     node_of: dict[int, int]  # worker -> node (placement; decides intra- or inter-node links)
     name: str = ""
     staggered_optimizer: bool = False  # no barrier between iterations (ReCycle): the sim times the steady state
+    # Boundaries whose tensors are logged (Swift): (pipeline, s) is the edge between stages s
+    # and s + 1 of that pipeline, both ways (s's activations, s + 1's input gradients).
+    logged: frozenset = frozenset()
     _key: tuple | None = field(default=None, repr=False, compare=False)
     _grid: GridLayout | None = field(default=None, repr=False, compare=False)  # see grid()
 
@@ -80,7 +83,14 @@ class Plan:
         return Plan(schedule=schedule, partition=self.partition,
                     holds={to[w]: h for w, h in self.holds.items()},
                     node_of={to[w]: node_of(to[w]) for w in old}, name=self.name,
-                    staggered_optimizer=self.staggered_optimizer)
+                    staggered_optimizer=self.staggered_optimizer, logged=self.logged)
+
+    def with_logging(self, logged) -> "Plan":
+        """The same plan with these boundaries logged (its grid layout kept: the same objects)."""
+        plan = Plan(schedule=self.schedule, partition=self.partition, holds=self.holds, node_of=self.node_of,
+                    name=self.name, staggered_optimizer=self.staggered_optimizer, logged=frozenset(logged))
+        plan._grid = self._grid
+        return plan
 
     def key(self) -> tuple:
         """Hashable identity (the simulator memoises per key). The per-worker parts are packed
@@ -89,7 +99,7 @@ class Plan:
             grid = self.grid()
             holds = _pack_grid_holds(grid) if grid is not None else None
             self._key = (self.schedule.key(), self.partition, holds or _pack_holds(self.holds),
-                         _pack_nodes(self.node_of), self.staggered_optimizer)
+                         _pack_nodes(self.node_of), self.staggered_optimizer, tuple(sorted(self.logged)))
         return self._key
 
 

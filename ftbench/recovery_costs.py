@@ -12,8 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from itertools import cycle
 
-from ftbench.actions import (FILE, MEMORY, SNAPSHOT, Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint,
-                             SyncFromPeers, WaitForReplacement)
+from ftbench.actions import (FILE, MEMORY, SNAPSHOT, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint,
+                             SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement)
 from ftbench.plan import Plan, checkpoint_writers
 
 # fp32 master weights + Adam's two moments; the fp16 working weights are re-cast from the master copy.
@@ -131,6 +131,13 @@ def action_seconds(action, old: Plan, new: Plan, cost_model, save_s: float | Non
         return max(_node_bytes(new, cost_model).values()) / (hw.storage_gbps * 1e9)
     if isinstance(action, SyncFromPeers):
         return _copies_s(action.copies, old, new, cost_model)
+    if isinstance(action, UndoSteps):
+        # one pass over a replica's state, as the step itself (charged whether or not a stage
+        # had stepped: an upper bound of milliseconds)
+        return cost_model.optimizer_s(max(cost_model.stage(new.layers(d, s), s == 0, new.is_last_stage(d, s)).params
+                                          for held in new.holds.values() for d, s in held))
+    if isinstance(action, ReplayLogs):
+        return replay_seconds(action, new, cost_model)
     raise TypeError(f"the cost model has no cost for {action!r}")
 
 
@@ -164,3 +171,47 @@ class CheckpointLedger:
         lost = [i for i, at in self.saved if at > t]
         self.saved = [(i, at) for i, at in self.saved if at <= t]
         return lost
+
+
+def replay_seconds(action: ReplayLogs, plan: Plan, cost_model) -> float:
+    """Swift's logging-based recovery: the replaying workers (and parallel recovery's
+    helpers, who load the same state) read their checkpoint, then replay each iteration since
+    it: every replayed pipeline runs its replayed stages as a pipeline over its share of the
+    micro-batches (fill plus steady state: sum of one micro-batch's stage times plus
+    (m - 1) times the slowest), the helpers' gradients are summed, each stage steps, and the
+    logged inputs are read from storage (nodes read in parallel)."""
+    hw = cost_model.hw
+    k = max(len(action.helpers), 1)
+    stages = {}  # worker -> (pipeline, stage, StageCost) of what it replays
+    for w in action.workers:
+        for d, s in plan.holds[w]:
+            stages[w] = (d, s, cost_model.stage(plan.layers(d, s), s == 0, plan.is_last_stage(d, s)))
+    load = defaultdict(float)  # node -> checkpoint bytes it reads
+    loaders = [(w, w) for w in action.workers] + [(h, w) for group in action.helpers[1:]
+                                                   for h, w in zip(group, action.workers)]
+    for reader, w in loaders:
+        load[plan.node_of[reader]] += CHECKPOINT_BYTES_PER_PARAM * stages[w][2].params
+    load_s = max(load.values(), default=0.0) / (hw.storage_gbps * 1e9)
+    by_pipeline = defaultdict(list)
+    for d, s, c in stages.values():
+        by_pipeline[d].append((s, c))
+    per_iteration, log_read = 0.0, defaultdict(float)
+    boundary = cost_model.spec.boundary_bytes(cost_model.b, cost_model.s)
+    for d, run in by_pipeline.items():
+        m = -(-plan.schedule.microbatches[d] // k)  # a helper's share
+        times = [c.forward_s + c.backward_input_s + c.backward_weight_s for _, c in run]
+        step = max(cost_model.optimizer_s(c.params) + cost_model.allreduce_s(c.params, k, False) for _, c in run)
+        per_iteration = max(per_iteration, sum(times) + (m - 1) * max(times) + step)
+        replayed = {s for s, _ in run}
+        for s, _ in run:  # inputs from outside the replay come from the log
+            if s > 0 and s - 1 not in replayed:
+                log_read[_worker_node(plan, d, s)] += plan.schedule.microbatches[d] * boundary
+            if s + 1 < plan.schedule.stages[d] and s + 1 not in replayed:
+                log_read[_worker_node(plan, d, s)] += plan.schedule.microbatches[d] * boundary
+    iterations = action.until - action.since
+    read_s = max(log_read.values(), default=0.0) / (hw.storage_gbps * 1e9)
+    return load_s + iterations * (per_iteration + read_s)
+
+
+def _worker_node(plan: Plan, pipeline: int, stage: int) -> int:
+    return next(plan.node_of[w] for w, held in plan.holds.items() if (pipeline, stage) in held)

@@ -284,6 +284,9 @@ def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: s
     result = {**_totals(outcome, ctx.global_batch), "losses": outcome.losses, "clock": clock, "threads": threads,
               "peak_memory_bytes": [engine.peak_memory[w] for w in sorted(engine.peak_memory)],
               "final_state": None, "matches_fault_free": None}
+    if engine.boundary_log is not None:  # Swift: what the log held at most, then it goes (the run is over)
+        engine.boundary_log.close(remove=True)
+        result.update(log_peak_bytes=engine.boundary_log.peak_bytes, log_files=engine.boundary_log.files_written)
     if outcome.status == "ok":
         state = engine.final_state()
         result["final_state"] = str(save_pretrained(state, ctx.spec, run_dir / "final_model"))
@@ -318,7 +321,11 @@ def local_engine(cfg, ctx, strategy, run_dir: Path | None, log=None) -> LocalEng
                 log({"event": "checkpoint_skipped", "iteration": iteration, "reason": reason})
                 warnings.warn(reason, CheckpointWarning, stacklevel=2)
         store = CheckpointStore(run_dir / "checkpoints", keep=cfg.strategy.get("keep", 2), on_skip=on_skip)
-    return LocalEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, store, cfg.backend.dtype)
+    boundary_log = None
+    if run_dir is not None and getattr(strategy, "log_dir", None):  # Swift's boundary log, in the run folder
+        from ftbench.engine.boundary_log import BoundaryLog
+        boundary_log = BoundaryLog(Path(run_dir) / strategy.log_dir)
+    return LocalEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, store, cfg.backend.dtype, boundary_log)
 
 
 def fault_free_reference(cfg, ctx, progress: bool = False) -> tuple[list[float], dict]:

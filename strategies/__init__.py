@@ -10,10 +10,11 @@ from ftbench.strategies.elastic_horovod import ElasticHorovod
 from ftbench.strategies.none import NoFaultTolerance
 from ftbench.strategies.oobleck import Oobleck
 from ftbench.strategies.recycle import ReCycle
+from ftbench.strategies.swift import Swift
 from ftbench.strategies.varuna import Varuna
 
 REGISTRY: dict[str, type] = {cls.name: cls for cls in (NoFaultTolerance, CheckpointRestart, CheckFreq,
-                                                       ElasticHorovod, Varuna, ReCycle, Oobleck, Bamboo)}
+                                                       ElasticHorovod, Varuna, ReCycle, Oobleck, Bamboo, Swift)}
 
 
 def build_strategy(cfg, ctx) -> Strategy:

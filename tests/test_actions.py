@@ -27,6 +27,10 @@ def _instances(plan, ctx):
                 kwargs[f.name] = (0,)
             elif f.name == "seconds":
                 kwargs[f.name] = 0.0
+            elif f.name == "workers":
+                kwargs[f.name] = (0,)
+            elif f.name in ("since", "until"):
+                kwargs[f.name] = 0
             elif f.name == "copies":
                 kwargs[f.name] = copies
         out.append(cls(**kwargs))

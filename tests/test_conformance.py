@@ -10,7 +10,7 @@ import pytest
 from conftest import run
 from ftbench.metrics import read_metrics
 
-STRATEGIES = ["none", "checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck", "bamboo"]
+STRATEGIES = ["none", "checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck", "bamboo", "swift"]
 
 # gpt-tiny, pp=2 x dp=3, one GPU per node: node = pipeline * 2 + stage.
 SETUP = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=3", "train.iterations=8", "train.microbatches=2",
@@ -18,7 +18,8 @@ SETUP = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=3", "train.iterations=8",
 EVERY = {"checkpoint": ("strategy.every=2",), "checkfreq": ("strategy.every=2",),
          "elastic-horovod": ("strategy.every=2",), "varuna": ("strategy.every=2",),
          "recycle": ("strategy.fallback=checkpoint", "strategy.every=2", "strategy.plan_cache=null"),
-         "oobleck": ("hardware.memory_gb=0.006",)}  # gpt-tiny needs 2 nodes a pipeline: cuts that differ
+         "oobleck": ("hardware.memory_gb=0.006",),
+         "swift": ("strategy.every=2",)}  # gpt-tiny needs 2 nodes a pipeline: cuts that differ
 
 
 def _events(*events) -> str:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from ftbench.actions import (MEMORY, Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
-                             WaitForReplacement)
+from ftbench.actions import (MEMORY, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint,
+                             SyncFromPeers, UndoSteps, WaitForReplacement)
 from ftbench.engine.local import LocalEngine
 from ftbench.plan import Plan
 from ftbench.recovery_costs import SaveCost
@@ -58,6 +58,11 @@ class LocalBackend:
                     engine.save(restored, MEMORY)
             elif isinstance(action, SyncFromPeers):
                 engine.copy_replicas(action.copies, new)
+            elif isinstance(action, ReplayLogs):
+                engine.adopt(new)  # the replacements' workers, fresh until the checkpoint loads
+                engine.replay(action.workers, action.since, action.until, max(len(action.helpers), 1))
+            elif isinstance(action, UndoSteps):
+                pass  # done when the failure struck (LocalEngine.abandon_iteration)
             elif isinstance(action, Rendezvous):
                 pass  # one process: no communicators to rebuild (the modelled clock charges hardware.rendezvous_s)
             elif isinstance(action, SaveCheckpoint):
@@ -98,3 +103,5 @@ class LocalBackend:
     def finish(self) -> None:
         if self.engine.store is not None:
             self.engine.store.wait()
+        if self.engine.boundary_log is not None:
+            self.engine.boundary_log.wait()

@@ -263,7 +263,68 @@ class Executor:
     def order(self, plan) -> list:
         return self.graph(plan)[1]
 
-    def run(self, plan, tokens, normaliser: float, completed: frozenset | None = None) -> IterationResult:
+    def replay(self, plan, tokens, normaliser: float, workers, transport: Transport, chunks: int = 1) -> None:
+        """Swift's replay of one iteration by `workers` alone (`transport`, a ReplayTransport,
+        gives them from the log what other workers sent): their ops in the iteration's order,
+        the gradient syncs among them and their optimizer steps, so a serial replay repeats
+        the original arithmetic exactly. With `chunks` > 1 (parallel recovery) each pipeline's
+        micro-batches are split into that many contiguous groups, each accumulated on its own
+        gradient buffers as a helper worker would, and the groups' gradients are summed in
+        order before the syncs and steps: the serial replay's result to float rounding."""
+        deps, order, members = self.graph(plan)
+        where = plan.schedule.index()
+        workers = frozenset(workers)
+        mine = []
+        for node in order:
+            if isinstance(node, GradientSync):
+                inside = workers.intersection(members[node])
+                if inside and len(inside) < len(members[node]):
+                    raise ValueError(f"{node} sums over {members[node]}, of which only {sorted(inside)} replay")
+                if inside:
+                    mine.append(node)
+            elif where[node] in workers:
+                mine.append(node)
+        execs = {w: WorkerExecutor(self.workers[w], transport, plan, tokens, normaliser, self.recompute)
+                 for w in workers}
+
+        def run(node) -> None:
+            if isinstance(node, GradientSync):
+                group = members[node]
+                for w in group:
+                    execs[w].reduce_start(node, group)
+                for w in group:
+                    execs[w].reduce_wait(node, group)
+            else:
+                execs[where[node]].run(node)
+
+        if chunks <= 1:
+            for node in mine:
+                run(node)
+            return
+        counts = plan.schedule.microbatches
+        params = [p for w in sorted(workers) for r in self.workers[w].replicas.values() for p in r.module.parameters()]
+        parts = []  # per chunk, per parameter: its gradient over the chunk's micro-batches
+        for k in range(chunks):
+            for node in mine:
+                if not isinstance(node, GradientSync) and node.kind != OPT and \
+                        k * counts[node.pipeline] // chunks <= node.microbatch < (k + 1) * counts[node.pipeline] // chunks:
+                    run(node)
+            parts.append([p.grad for p in params])
+            for p in params:
+                p.grad = None
+        for i, p in enumerate(params):
+            present = [part[i] for part in parts if part[i] is not None]
+            if present:
+                total = present[0].clone()
+                for g in present[1:]:
+                    total.add_(g)
+                p.grad = total
+        for node in mine:
+            if isinstance(node, GradientSync) or node.kind == OPT:
+                run(node)
+
+    def run(self, plan, tokens, normaliser: float, completed: frozenset | None = None,
+            transport: Transport | None = None) -> IterationResult:
         """Run the plan's iteration. With `completed` (a set of ops closed under dependencies
         and each worker's order: where a failure strikes), run exactly those ops, and the
         gradient syncs that some completed OPT waits for; the result is then incomplete."""
@@ -271,7 +332,8 @@ class Executor:
         if completed is not None:
             _check_closed(plan, deps, completed)
         where = plan.schedule.index()
-        execs = {w: WorkerExecutor(self.workers[w], self.transport, plan, tokens, normaliser, self.recompute)
+        transport = transport if transport is not None else self.transport
+        execs = {w: WorkerExecutor(self.workers[w], transport, plan, tokens, normaliser, self.recompute)
                  for w in plan.workers}
         needed = None if completed is None else {s for op in completed if op.kind == OPT for s in deps[op]}
         loss = torch.zeros((), dtype=torch.float64)

@@ -15,6 +15,7 @@ import torch
 
 from ftbench.actions import (FILE, MEMORY, SNAPSHOT)
 from ftbench.checkpoint import CheckpointStore
+from ftbench.engine.boundary_log import BoundaryLog, LoggingTransport, ReplayTransport
 from ftbench.engine.executor import Executor, IterationResult
 from ftbench.engine.worker import StageReplica, Worker
 from ftbench.errors import ResultError
@@ -59,8 +60,9 @@ class SaveCost:
 
 class LocalEngine:
     def __init__(self, ctx, data, lr: float, weight_decay: float, store: CheckpointStore | None,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", boundary_log: BoundaryLog | None = None):
         self.ctx, self.data, self.store = ctx, data, store
+        self.boundary_log = boundary_log  # where a plan's logged boundaries are written (Swift)
         self.lr, self.weight_decay, self.dtype = lr, weight_decay, DTYPES[dtype]
         self.workers: dict[int, Worker] = {}
         self.executor = Executor(self.workers, recompute=getattr(ctx, "recompute", "none"))  # train.recompute
@@ -105,10 +107,8 @@ class LocalEngine:
         return created
 
     # -- training -----------------------------------------------------------------------
-    def run_iteration(self, iteration: int, completed: frozenset | None = None) -> IterationResult:
-        """Run iteration `iteration` of the plan; with `completed` (ops closed under their
-        dependencies and each worker's order: the failure point the run loop resolved from
-        the plan's simulated timeline), run only those: a failure strikes there."""
+    def tokens(self, iteration: int):
+        """tokens(pipeline, microbatch) of `iteration` under the current plan."""
         schedule = self.plan.schedule
         offsets = [sum(schedule.microbatches[:p]) for p in range(len(schedule.microbatches))]
         b = self.ctx.microbatch_size
@@ -118,14 +118,55 @@ class LocalEngine:
             # global samples (offset_p + k) * b ... + b - 1, whoever computes them.
             first = (offsets[pipeline] + microbatch) * b
             return batch(self.data, iteration, range(first, first + b))
+        return tokens
 
-        normaliser = float(self.ctx.global_batch * (self.ctx.seq_len - 1))
+    @property
+    def normaliser(self) -> float:
+        return float(self.ctx.global_batch * (self.ctx.seq_len - 1))
+
+    def run_iteration(self, iteration: int, completed: frozenset | None = None) -> IterationResult:
+        """Run iteration `iteration` of the plan; with `completed` (ops closed under their
+        dependencies and each worker's order: the failure point the run loop resolved from
+        the plan's simulated timeline), run only those: a failure strikes there. Sends across
+        the plan's logged boundaries go to the boundary log (Swift)."""
         self._commit_steps()  # nothing recorded reaches back into an earlier iteration
-        result = self.executor.run(self.plan, tokens, normaliser, completed)
+        log, transport = self.boundary_log, None
+        if log is not None and self.plan.logged:
+            transport = LoggingTransport(self.executor.transport, log, self.plan.logged, iteration)
+        result = self.executor.run(self.plan, self.tokens(iteration), self.normaliser, completed, transport)
         self._track_memory()  # with the steps' undo records, which live until the iteration completes
         if result.complete:
             self._commit_steps()
+            if log is not None:
+                log.seal(iteration)
         return result
+
+    def replay(self, workers, since: int, until: int, chunks: int = 1) -> None:
+        """Swift's logging-based recovery, done for real: `workers` load their replicas from
+        the checkpoint of iteration `since` and replay iterations since..until-1 on the logged
+        boundary tensors (ftbench.engine.boundary_log), the others waiting; with `chunks` > 1
+        each iteration's micro-batches are split among helpers (Executor.replay)."""
+        workers = sorted(workers)
+        replicas = [r for w in workers for r in self.workers[w].replicas.values()]
+        expected = {n: tuple(p.shape) for w in self.plan.holds for r in self.workers[w].replicas.values()
+                    for n, p in r.named_parameters().items()}  # the whole model's, as the store checks
+        loaded = self.store.load(at_most=since, expected=expected) if self.store is not None else None
+        held = 0 if loaded is None else loaded[0]
+        if held != since:
+            raise ResultError("unrecoverable", f"the replay starts from the checkpoint of iteration {since}, but the "
+                              f"newest usable checkpoint holds iteration {held}")
+        if loaded is None:  # iteration 0: the initial weights, re-created from the seed
+            for w in workers:
+                for layers in list(self.workers[w].replicas):
+                    pipeline, stage = next((d, s) for d, s in self.plan.holds[w] if self.plan.layers(d, s) == layers)
+                    self.workers[w].replicas[layers] = self._new_replica(self.plan, pipeline, stage)
+        else:
+            load_shards(replicas, list(loaded[1].values()))
+        for iteration in range(since, until):
+            transport = ReplayTransport(self.executor.transport, self.boundary_log, workers, iteration)
+            self.executor.replay(self.plan, self.tokens(iteration), self.normaliser, workers, transport, chunks)
+            self._track_memory()
+            self._commit_steps()
 
     def _replicas(self):
         """Every live replica."""
@@ -149,6 +190,8 @@ class LocalEngine:
                 replica.undo.undo()
                 undone += 1
             replica.reset_iteration()
+        if self.boundary_log is not None:
+            self.boundary_log.discard_open()  # an abandoned iteration's sends are not logged
         clear = getattr(self.executor.transport, "clear", None)
         if clear is not None:
             clear()  # messages and reductions in flight are lost with the iteration
@@ -164,6 +207,8 @@ class LocalEngine:
         for w, worker in self.workers.items():
             if worker.alive:
                 state = sum(r.state_bytes() + r.undo.bytes() for r in worker.replicas.values())
+                if self.boundary_log is not None:
+                    state += self.boundary_log.buffered(w)  # the iteration's log, until it is written
                 self.peak_memory[w] = max(self.peak_memory.get(w, 0), state + worker.peak_activation_bytes)
 
     # -- checkpoints --------------------------------------------------------------------
@@ -185,6 +230,8 @@ class LocalEngine:
         shards = {wr.name: self._shard(wr) for wr in self._writers()}
         if mode == FILE:
             self.store.save(iteration, shards)
+            if self.boundary_log is not None:
+                self.boundary_log.drop_before(iteration)  # the checkpoint covers the logs before it
             return SaveCost(time.perf_counter() - started, 0.0)
         if mode == SNAPSHOT:
             self.store.save_async(iteration, shards)  # shard() already copied: that is the snapshot

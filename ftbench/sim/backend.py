@@ -5,13 +5,15 @@ and turns a plan that does not fit the GPUs' memory into an `oom` result.
 """
 from __future__ import annotations
 
-from ftbench.actions import Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers, WaitForReplacement
+from ftbench.actions import (Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
+                             UndoSteps, WaitForReplacement)
+from ftbench.errors import ResultError
 from ftbench.plan import Plan
 from ftbench.sim.simulator import SimResult
 
 
 # Actions whose whole effect here is the time the modelled clock charges for them.
-TIME_ONLY = (WaitForReplacement, RestartJob, Rendezvous, SyncFromPeers)
+TIME_ONLY = (WaitForReplacement, RestartJob, Rendezvous, SyncFromPeers, UndoSteps)
 
 
 class SimBackend:
@@ -45,6 +47,11 @@ class SimBackend:
                 # ones cannot exist, they would belong to the abandoned timeline.
                 restored = max(self.saved, default=0)
                 self.saved = [i for i in self.saved if i <= restored]
+            elif isinstance(action, ReplayLogs):
+                held = max((i for i in self.saved if i <= action.since), default=0)
+                if held != action.since:  # as the local and dist backends find it
+                    raise ResultError("unrecoverable", f"the replay starts from the checkpoint of iteration "
+                                      f"{action.since}, but the newest usable checkpoint holds iteration {held}")
             elif not isinstance(action, TIME_ONLY):
                 raise TypeError(f"the sim backend cannot perform {action!r}")
         return restored

@@ -1,0 +1,200 @@
+"""`swift`: Swift (Zhong et al., PPoPP 2023 / TPDS 2024): recovery without a redundant copy.
+
+Swift keeps no extra copy of the model state. When a node fails:
+
+1. **Undo to the consensus iteration.** Survivors agree on the iteration to go on from, the
+   interrupted one; stages that already applied its optimizer step invert it
+   (ftbench.engine.undo: the engine undoes them when the failure strikes, every in-place
+   strategy alike). `UndoSteps` charges that pass on the modelled clock.
+2. **Replication-based recovery.** A lost stage with a live data-parallel replica is copied
+   from it to the replacement (a standby, else a new node, as `checkpoint` gets them):
+   weights and optimizer state, nothing rolled back, and the interrupted iteration is redone.
+3. **Logging-based recovery.** A lost stage with no live replica (dp = 1, or every replica
+   on the failed node) is rebuilt from its own last checkpoint by replaying the iterations
+   since, on the tensors that crossed its logging group's edges: Swift logs, on the sender's
+   side, the activations and gradients crossing every boundary between logging groups (a
+   group is a node by default), to real files in `strategy.log_dir`, and its periodic
+   checkpoints (`strategy.every`) delete the logs they cover. The failed node's group (and
+   whatever shares gradient sums with it) loads the checkpoint and replays; the others wait.
+4. **Parallel recovery** (`strategy.parallel_recovery: k`): each replayed iteration's
+   micro-batches are split across k workers per replayed one, the replacement and k - 1
+   survivors that load its checkpoint (data-parallel peers of its stage first); their
+   gradients are summed before each step.
+5. **Selective logging** (`strategy.log_budget_gb`): adjacent groups are merged greedily
+   (ftbench.planning.swift) until the log fits the budget: less log, longer replays.
+"""
+from __future__ import annotations
+
+from ftbench.actions import FILE, Rendezvous, ReplayLogs, SyncFromPeers, UndoSteps
+from ftbench.cluster import Cluster
+from ftbench.errors import ConfigError
+from ftbench.failures import FailureEvent
+from ftbench.plan import Plan
+from ftbench.planning.swift import SelectiveLogging
+from ftbench.strategies.base import Recovery
+from ftbench.strategies.checkpoint import CheckpointRestart
+from ftbench.transfers import peer_copies
+
+
+class Swift(CheckpointRestart):
+    name = "swift"
+    checkpoint_mode = FILE
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        if self.every is None:
+            raise ConfigError("strategy.every", "swift replays from its own periodic checkpoints and needs a fixed "
+                              "interval", "set strategy.every to a number of iterations (Swift's evaluation: 100)")
+        self.log_dir = str(cfg.log_dir)
+        self.parallel = cfg.parallel_recovery
+        if not isinstance(self.parallel, int) or self.parallel < 1:
+            raise ConfigError("strategy.parallel_recovery", f"must be a whole number of at least 1, got {self.parallel}",
+                              "set 1 for a serial replay, or k >= 2 to split each replayed iteration over k workers")
+        if self.parallel > ctx.microbatches:
+            raise ConfigError("strategy.parallel_recovery", f"{self.parallel} workers cannot share a replay of "
+                              f"{ctx.microbatches} micro-batches per pipeline",
+                              f"set strategy.parallel_recovery to at most {ctx.microbatches}")
+        self.budget_gb = cfg.log_budget_gb
+        if self.budget_gb is not None and not self.budget_gb >= 0:
+            raise ConfigError("strategy.log_budget_gb", f"must be a size in GB, got {self.budget_gb}",
+                              "give the most log storage in GB (e.g. 50), or null to log every node boundary")
+        self.logging = None  # the SelectiveLogging plan chosen under the budget (None: every node boundary)
+
+    # -- plan ---------------------------------------------------------------------------
+    def plan(self, cluster: Cluster) -> Plan:
+        grid = super().plan(cluster)
+        workers, gpn = len(grid.holds), cluster.gpus_per_node
+        if (self.parallel - 1) * gpn > workers - gpn:  # a node's failure leaves too few to share with
+            raise ConfigError("strategy.parallel_recovery", f"{self.parallel} workers per replayed one need "
+                              f"{(self.parallel - 1) * gpn} survivors to share a node's replay, and a failure "
+                              f"leaves {workers - gpn} workers", "lower strategy.parallel_recovery (1: serial replay)")
+        self.current = grid.with_logging(self._logged(grid, cluster))
+        return self.current
+
+    def _stage_machines(self, plan: Plan) -> list[int]:
+        """Stage -> index of its node along pipeline 0 (consecutive stages on one node share one)."""
+        nodes = [plan.node_of[w] for w in plan.workers[:plan.schedule.stages[0]]]
+        index = [0]
+        for a, b in zip(nodes, nodes[1:]):
+            index.append(index[-1] + (a != b))
+        return index
+
+    def _logged(self, plan: Plan, cluster: Cluster) -> frozenset:
+        """The logged boundaries (pipeline, s): every node boundary of pipeline 0's layout, or
+        the groups' edges that selective logging keeps under strategy.log_budget_gb."""
+        pp, dp = plan.schedule.stages[0], len(plan.schedule.stages)
+        machine = self._stage_machines(plan)
+        group = machine
+        if self.budget_gb is not None and machine[-1] > 0:
+            selective = self._selective(plan, machine)
+            try:
+                self.logging = selective.within(self.budget_gb * 1e9)
+            except ValueError as err:
+                raise ConfigError("strategy.log_budget_gb", str(err),
+                                  "raise strategy.log_budget_gb, or leave it null to log every node boundary") from None
+            of = {}
+            for k, (first, last) in enumerate(self.logging.groups):
+                of.update({m: k for m in range(first, last + 1)})
+            group = [of[m] for m in machine]
+        edges = [s for s in range(pp - 1) if group[s] != group[s + 1]]
+        if not edges and self._needs_logging(plan):
+            setting = "strategy.log_budget_gb" if machine[-1] > 0 else "cluster.gpus_per_node"
+            raise ConfigError(setting, f"swift cannot log this plan: every stage of a pipeline is in one logging "
+                              f"group, and a stage has no replica on another node, so a failure would replay the "
+                              f"whole pipeline (checkpoint restart)",
+                              "spread a pipeline over several nodes (cluster.gpus_per_node < cluster.pp) or raise "
+                              "strategy.log_budget_gb" if setting.startswith("strategy") else
+                              "spread a pipeline over several nodes: cluster.gpus_per_node < cluster.pp")
+        return frozenset((d, s) for d in range(dp) for s in edges)
+
+    def _needs_logging(self, plan: Plan) -> bool:
+        """Whether some stage has every replica on one node (a failure there leaves none)."""
+        nodes_of_stage: dict[int, set] = {}
+        for w, held in plan.holds.items():
+            for _, s in held:
+                nodes_of_stage.setdefault(s, set()).add(plan.node_of[w])
+        return any(len(nodes) == 1 for nodes in nodes_of_stage.values())
+
+    def _selective(self, plan: Plan, machine: list[int]) -> SelectiveLogging:
+        """Selective logging's model of pipeline 0: its nodes in order, one micro-batch's
+        forward and backward on each, the tensor crossing each node boundary."""
+        cm, ctx = self.ctx.cost_model, self.ctx
+        pp = plan.schedule.stages[0]
+        t = [0.0] * (machine[-1] + 1)
+        for s in range(pp):
+            c = cm.stage(plan.layers(0, s), s == 0, plan.is_last_stage(0, s))
+            t[machine[s]] += c.forward_s + c.backward_input_s + c.backward_weight_s
+        boundary = [cm.spec.boundary_bytes(ctx.microbatch_size, ctx.seq_len)] * machine[-1]
+        return SelectiveLogging(t, boundary, plan.schedule.microbatches[0], self.every, self.parallel)
+
+    # -- recovery -----------------------------------------------------------------------
+    def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
+        plan = self.current
+        lost = {w for w, node in plan.node_of.items() if node == event.node}
+        up = {w for w, node in plan.node_of.items() if node != event.node and cluster.is_alive(node)}
+        holders: dict[tuple, set] = {}  # a replica's layers -> the live workers holding them
+        for w in up:
+            for d, s in plan.holds[w]:
+                holders.setdefault(_layers(plan, d, s), set()).add(w)
+        orphans = {w for w in lost if any(not holders.get(_layers(plan, d, s)) for d, s in plan.holds[w])}
+        actions = [UndoSteps(), Rendezvous()]
+        replay = self._replay_set(plan, orphans) if orphans else set()
+        copies = peer_copies(plan, plan, lambda w: w not in lost and w not in replay, self.ctx.cost_model)
+        copies = tuple(c for c in copies if c.dst in lost and c.dst not in replay)
+        if copies:
+            actions.append(SyncFromPeers(copies))  # replication-based recovery
+        if replay:
+            since = iteration // self.every * self.every  # the newest checkpoint (saved synchronously)
+            helpers = self._helpers(plan, sorted(replay), up - replay) if self.parallel > 1 else ()
+            if helpers is None:
+                return Recovery(unrecoverable=f"strategy.parallel_recovery={self.parallel} needs "
+                                f"{(self.parallel - 1) * len(replay)} survivors outside the replay of "
+                                f"{len(replay)} workers, and only {len(up - replay)} are left; lower "
+                                "strategy.parallel_recovery")
+            actions.append(ReplayLogs(tuple(sorted(replay)), since, iteration, helpers))
+        return Recovery(actions=actions, plan=plan, replace=(event.node,))
+
+    def _replay_set(self, plan: Plan, orphans: set[int]) -> set[int]:
+        """The workers that replay: those whose state is lost with no live replica, closed
+        over unlogged boundaries (their inputs were not logged: the neighbour replays too)
+        and over gradient sums (every replica of a replayed stage replays with it)."""
+        where = {(d, s): w for w, held in plan.holds.items() for d, s in held}
+        by_stage: dict[int, list[int]] = {}
+        for (d, s), w in where.items():
+            by_stage.setdefault(s, []).append(w)
+        out, todo = set(), list(orphans)
+        while todo:
+            w = todo.pop()
+            if w in out:
+                continue
+            out.add(w)
+            for d, s in plan.holds[w]:
+                near = [(d, s - 1)] if s > 0 and (d, s - 1) not in plan.logged else []
+                if s + 1 < plan.schedule.stages[d] and (d, s) not in plan.logged:
+                    near.append((d, s + 1))
+                todo.extend(where[x] for x in near)
+                todo.extend(by_stage[s])
+        return out
+
+    def _helpers(self, plan: Plan, replay: list[int], survivors: set[int]) -> tuple | None:
+        """Parallel recovery's groups: group 0 is the replaying workers, group k >= 1 gives
+        each of them a survivor outside the replay, a data-parallel peer of its stage first
+        (None: too few survivors)."""
+        stage_of = {w: plan.holds[w][0][1] for w in plan.holds}
+        free = sorted(survivors)
+        groups = [tuple(replay)]
+        for _ in range(self.parallel - 1):
+            group = []
+            for w in replay:
+                peers = [v for v in free if stage_of.get(v) == stage_of[w]] or free
+                if not peers:
+                    return None
+                group.append(peers[0])
+                free.remove(peers[0])
+            groups.append(tuple(group))
+        return tuple(groups)
+
+
+def _layers(plan: Plan, d: int, s: int) -> tuple:
+    """What identifies a replica's state: its layers, with or without embedding and head."""
+    return plan.layers(d, s), s == 0, plan.is_last_stage(d, s)
