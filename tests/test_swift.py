@@ -1,0 +1,281 @@
+"""Swift (strategy=swift): undo, replica copies, boundary logs and replay, parallel recovery,
+selective logging, on `local` (real tensors, real log files) and `sim`.
+
+Every failure really destroys the failed workers' state (LocalEngine.destroy); the state
+comes back only through Swift's own actions: a copy from a live replica, or the failed
+group's checkpoint replayed on the logged boundary tensors. The replay repeats the original
+arithmetic, so with no undone step it trains the fault-free model bit for bit; once a step
+was undone (a failure after some stages stepped) or the replay was split (parallel
+recovery), to float tolerance.
+"""
+import math
+
+import pytest
+import torch
+
+from conftest import LOCAL, compose, run, seeded_failures
+from ftbench.engine.boundary_log import BoundaryLog
+from ftbench.equivalence import compare, load_state
+from ftbench.errors import ConfigError
+from ftbench.metrics import read_metrics
+
+SWIFT = ("strategy=swift", "strategy.every=4", "failures=scripted")
+DP1 = ("cluster.pp=4", "cluster.dp=1")  # no replica: every failure replays from the logs
+DP2 = ("cluster.pp=4", "cluster.dp=2")  # a live replica of every stage: copies
+CHECKED = ("report.check_fault_free=true",)
+
+
+def _events(*events: str) -> str:
+    return "failures.events=[" + ",".join(events) + "]"
+
+
+def _reference(tmp_path, *setup) -> dict:
+    ref = run(tmp_path / "fault-free", *LOCAL, *setup, "strategy=none", "failures=none")
+    assert ref["status"] == "ok", ref["error"]
+    return ref
+
+
+def _exactly_equal(a: dict, b: dict) -> bool:
+    sa, sb = load_state(a["final_state"]), load_state(b["final_state"])
+    return a["losses"] == b["losses"] and set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _actions(summary) -> list[list[str]]:
+    return [r["actions"] for r in summary["recoveries"]]
+
+
+# -- logging-based recovery ---------------------------------------------------------------
+
+def test_a_replay_from_the_logs_trains_the_fault_free_model_bit_for_bit(tmp_path):
+    """dp = 1: node 2 fails half-way into iteration 6 (before any step); its stage is reloaded
+    from the checkpoint of iteration 4 and iterations 4 and 5 are replayed on the logs."""
+    s = run(tmp_path / "swift", *LOCAL, *SWIFT, *DP1, _events("{iteration:6,node:2}"))
+    assert s["status"] == "ok", s["error"]
+    assert _actions(s) == [["WaitForReplacement", "UndoSteps", "Rendezvous", "ReplayLogs"]]
+    assert s["recoveries"][0]["lost_iterations"] == 0 and s["lost_iterations"] == 0
+    assert s["log_peak_bytes"] > 0 and s["log_files"] > 0
+    assert not (tmp_path / "swift" / "swift-logs").exists()  # the run is over: its logs are removed
+    assert _exactly_equal(s, _reference(tmp_path, *DP1))
+
+
+def test_the_replay_reads_the_logged_tensors(tmp_path, monkeypatch):
+    """A control: with every logged tensor perturbed slightly (the training itself untouched),
+    the replayed stage trains another model, so the replay does read the logs."""
+    record = BoundaryLog.record
+
+    def perturbed(self, iteration, src, key, tensor):
+        record(self, iteration, src, key, tensor * (1 + 1e-3))
+
+    monkeypatch.setattr(BoundaryLog, "record", perturbed)
+    s = run(tmp_path / "swift", *LOCAL, *SWIFT, *DP1, _events("{iteration:6,node:2}"))
+    assert s["status"] == "ok", s["error"]
+    ref = _reference(tmp_path, *DP1)
+    assert compare(s["losses"], load_state(s["final_state"]), ref["losses"], load_state(ref["final_state"]))
+
+
+@pytest.mark.parametrize("setup,events", [
+    # a node holds two stages: the pair replays, the edge between them needs no log
+    (("cluster.pp=4", "cluster.dp=1", "cluster.gpus_per_node=2"), ("{iteration:6,node:1}", "{iteration:8,node:0}")),
+    # every replica of a stage on the failed node (placement=stage): its replicas replay together
+    (("cluster.pp=2", "cluster.dp=2", "cluster.gpus_per_node=2", "cluster.placement=stage"), ("{iteration:6,node:1}",)),
+    # selective logging merged two nodes into one group: their edge is not logged, both replay
+    (("cluster.pp=4", "cluster.dp=1", "strategy.log_budget_gb=0.0002"), ("{iteration:6,node:2}",)),
+    # zero-bubble's split backward replays in its own order
+    (("cluster.pp=4", "cluster.dp=1", "schedule=zb-h1"), ("{iteration:5,node:1}", "{iteration:7,node:3}")),
+    # a failure right after a checkpoint: nothing to replay, only the checkpoint to load
+    (("cluster.pp=4", "cluster.dp=1"), ("{iteration:4,node:0}",)),
+], ids=["two stages a node", "every replica lost", "merged groups", "zb-h1", "at a checkpoint"])
+def test_replays_of_every_shape_are_exact(tmp_path, setup, events):
+    s = run(tmp_path / "swift", *LOCAL, *SWIFT, *setup, _events(*events))
+    assert s["status"] == "ok", s["error"]
+    assert all("ReplayLogs" in a for a in _actions(s)), _actions(s)
+    plain = tuple(o for o in setup if not o.startswith("strategy."))
+    assert _exactly_equal(s, _reference(tmp_path, *plain))
+
+
+@pytest.mark.parametrize("budget,logged,replayed", [(None, 3, 1), (0.0004, 3, 1), (0.0002, 1, 2)])
+def test_selective_logging_trades_log_for_replay(budget, logged, replayed):
+    """Under a smaller budget nodes share a logging group: fewer boundaries are logged, and a
+    failure replays the failed node's whole group (gpt-tiny: one boundary's log over 4
+    iterations is about 131 kB in the model)."""
+    from ftbench.cluster import Cluster
+    from ftbench.context import RunContext
+    from ftbench.failures import FailureEvent
+    from ftbench.strategies import build_strategy
+
+    cfg = compose(*LOCAL, *SWIFT, *DP1, *([f"strategy.log_budget_gb={budget}"] if budget else []))
+    strategy = build_strategy(cfg.strategy, RunContext.from_config(cfg))
+    cluster = Cluster.from_config(cfg.cluster)
+    plan = strategy.plan(cluster.view())
+    assert len(plan.logged) == logged
+    cluster.fail(2)
+    actions = strategy.on_event(FailureEvent(2, iteration=6), cluster.view(), 6).actions
+    (replay,) = [a for a in actions if type(a).__name__ == "ReplayLogs"]
+    assert 2 in replay.workers and len(replay.workers) == replayed
+    assert (replay.since, replay.until) == (4, 6)
+
+
+# -- failures after some stages stepped, replicas, seeded scripts --------------------------
+
+@pytest.mark.parametrize("at", [0.9, 0.97, 0.999])
+@pytest.mark.parametrize("setup", [DP1, DP2], ids=["logging", "replication"])
+def test_a_failure_after_steps_trains_the_fault_free_model(tmp_path, setup, at):
+    """Survivors that stepped undo it; the lost stage comes from a replica (dp 2) or a replay
+    (dp 1); the run's own check compares with fault-free training."""
+    s = run(tmp_path, *LOCAL, *SWIFT, *setup, *CHECKED, "train.iterations=8",
+            _events(f"{{iteration:6,node:1,at:{at}}}"))
+    assert s["status"] == "ok" and s["matches_fault_free"] is True, s["error"]
+    (fail,) = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["event"] == "fail"]
+    if at >= 0.97:
+        assert fail["stepped"] > 0 and fail["undone"] > 0, fail
+    expected = "ReplayLogs" if setup is DP1 else "SyncFromPeers"
+    assert _actions(s) == [["WaitForReplacement", "UndoSteps", "Rendezvous", expected]]
+
+
+@pytest.mark.parametrize("setup,nodes,count", [(DP1, 4, 2), (DP2, 8, 3)], ids=["dp1", "dp2"])
+@pytest.mark.parametrize("tag", ["swift-a", "swift-b"])
+def test_seeded_random_failures_train_the_fault_free_model(tmp_path, setup, nodes, count, tag):
+    s = run(tmp_path, *LOCAL, *SWIFT, *setup, *CHECKED, seeded_failures(f"{tag}-{nodes}", nodes, count, draw_at=True))
+    assert s["status"] == "ok" and s["matches_fault_free"] is True, s["error"]
+    assert s["failures"] == count
+
+
+# -- parallel recovery ---------------------------------------------------------------------
+
+def test_parallel_recovery_equals_the_serial_replay_to_float_tolerance(tmp_path):
+    serial = run(tmp_path / "serial", *LOCAL, *SWIFT, *DP1, _events("{iteration:7,node:2}"))
+    parallel = run(tmp_path / "parallel", *LOCAL, *SWIFT, *DP1, "strategy.parallel_recovery=2",
+                   _events("{iteration:7,node:2}"))
+    assert serial["status"] == parallel["status"] == "ok"
+    a, b = load_state(serial["final_state"]), load_state(parallel["final_state"])
+    for name in a:
+        torch.testing.assert_close(a[name], b[name])
+    assert not all(torch.equal(a[k], b[k]) for k in a)  # the sum was split: not the same bits
+    lines = [r for r in read_metrics(tmp_path / "parallel" / "metrics.jsonl") if r["event"] == "recovery"]
+    assert lines and lines[0]["actions"][-1] == "ReplayLogs"
+
+
+def test_parallel_recovery_shortens_the_modelled_replay(tmp_path):
+    """On sim, the replay's compute is shared by the helpers (each also loads the checkpoint)."""
+    setup = ("backend=sim", "model=gpt3-medium", "cluster.pp=8", "cluster.dp=1", "train.iterations=200",
+             "strategy=swift", "strategy.every=100", "failures=scripted", _events("{iteration:180,node:3}"),
+             "report.gantt=false")
+    serial = run(tmp_path / "serial", *setup)
+    parallel = run(tmp_path / "parallel", *setup, "strategy.parallel_recovery=4")
+    assert serial["status"] == parallel["status"] == "ok", (serial["error"], parallel["error"])
+    assert parallel["recoveries"][0]["recovery_s"] < serial["recoveries"][0]["recovery_s"]
+
+
+# -- logs: real, bounded, cleaned up ------------------------------------------------------
+
+def test_a_checkpoint_deletes_the_logs_it_covers(tmp_path):
+    log = BoundaryLog(tmp_path / "logs")
+    for i in range(6):
+        log.record(i, 1, ("act", 0, 0, 0), torch.full((4,), float(i)))
+        log.record(i, 2, ("grad", 0, 0, 0), torch.full((4,), -float(i)))
+        log.seal(i)
+    log.wait()
+    assert log.files_written == 12 and log.bytes_now == log.peak_bytes > 0
+    assert torch.equal(log.read(2, 3, ("grad", 0, 0, 0)), torch.full((4,), -3.0))
+    log.drop_before(4)
+    kept = sorted(str(p.relative_to(tmp_path / "logs")) for p in (tmp_path / "logs").rglob("*.pt"))
+    assert kept == ["worker1/iteration00000004.pt", "worker1/iteration00000005.pt",
+                    "worker2/iteration00000004.pt", "worker2/iteration00000005.pt"]
+    assert log.bytes_now == sum(p.stat().st_size for p in (tmp_path / "logs").rglob("*.pt"))
+    assert log.bytes_now < log.peak_bytes
+    log.record(6, 1, ("act", 0, 0, 0), torch.ones(4))
+    log.discard_open()  # an abandoned iteration is never written
+    log.seal(6)
+    log.wait()
+    assert not log.path(1, 6).exists()
+    with pytest.raises(Exception, match="no log of worker 1 for iteration 2"):
+        log.read(1, 2, ("act", 0, 0, 0))
+    log.close(remove=True)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_the_log_on_storage_is_bounded_by_the_checkpoint_interval(tmp_path):
+    peaks = {}
+    for every in (2, 6):
+        s = run(tmp_path / str(every), *LOCAL, "strategy=swift", f"strategy.every={every}", *DP1, "failures=none",
+                "train.iterations=12")
+        assert s["status"] == "ok", s["error"]
+        peaks[every] = s["log_peak_bytes"]
+    # one iteration's log is the same in both: the peak grows with the iterations a checkpoint covers
+    assert peaks[6] == pytest.approx(3 * peaks[2], rel=0.05)
+
+
+def test_logging_costs_host_memory_on_the_sender(tmp_path):
+    """The iteration's log is buffered on the sending workers until it is written: their peak
+    memory is above the same run's without logging (checkpoint restart)."""
+    swift = run(tmp_path / "swift", *LOCAL, "strategy=swift", *DP1, "failures=none")
+    plain = run(tmp_path / "plain", *LOCAL, "strategy=checkpoint", *DP1, "failures=none")
+    assert max(swift["peak_memory_bytes"]) > max(plain["peak_memory_bytes"])
+
+
+# -- bad settings ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides,setting", [
+    (("strategy.log_budget_gb=0.00000001",), "strategy.log_budget_gb"),  # below one iteration of a boundary
+    (("strategy.log_budget_gb=0.0001",), "strategy.log_budget_gb"),  # every node merged into one group
+    (("cluster.pp=2", "strategy.parallel_recovery=3"), "strategy.parallel_recovery"),  # nobody to share with
+    (("strategy.parallel_recovery=0",), "strategy.parallel_recovery"),
+    (("strategy.parallel_recovery=9",), "strategy.parallel_recovery"),  # more than the micro-batches
+    (("cluster.gpus_per_node=4",), "cluster.gpus_per_node"),  # the whole pipeline on one node: nothing to log
+    (("strategy.every=null",), "strategy.every"),
+])
+def test_bad_settings_name_the_setting(tmp_path, overrides, setting):
+    s = run(tmp_path, *LOCAL, "strategy=swift", "cluster.pp=4", "cluster.dp=1", *overrides)
+    assert s["status"] == "error" and setting in s["error"], s["error"]
+
+
+def test_a_config_error_is_raised_before_anything_runs():
+    from ftbench.context import RunContext
+    from ftbench.strategies import build_strategy
+
+    cfg = compose(*LOCAL, "strategy=swift", "strategy.parallel_recovery=0")
+    with pytest.raises(ConfigError) as err:
+        build_strategy(cfg.strategy, RunContext.from_config(cfg))
+    assert err.value.setting == "strategy.parallel_recovery"
+
+
+# -- sim ---------------------------------------------------------------------------------------
+
+def test_on_sim_replay_grows_with_the_iterations_since_the_checkpoint(tmp_path):
+    """A failure 90 iterations past the checkpoint replays more than one 10 past it, and both
+    cost less than checkpoint restart's redo of the same iterations after its restart."""
+    def recovery(name, strategy, iteration):
+        s = run(tmp_path / name, "backend=sim", "model=gpt3-medium", "cluster.pp=8", "cluster.dp=1",
+                "train.iterations=300", f"strategy={strategy}", "strategy.every=100", "failures=scripted",
+                _events(f"{{iteration:{iteration},node:3}}"), "report.gantt=false")
+        assert s["status"] == "ok", s["error"]
+        return s
+
+    early, late = recovery("early", "swift", 110), recovery("late", "swift", 190)
+    assert late["recoveries"][0]["recovery_s"] > early["recoveries"][0]["recovery_s"]
+    restart = recovery("restart", "checkpoint", 190)
+    assert late["time_s"] < restart["time_s"]
+    free = run(tmp_path / "free", "backend=sim", "model=gpt3-medium", "cluster.pp=8", "cluster.dp=1",
+               "train.iterations=300", "strategy=swift", "strategy.every=100", "failures=none", "report.gantt=false")
+    assert late["time_s"] > free["time_s"]  # a failure never makes training faster
+    assert math.isclose(free["iteration_time_s"], late["iteration_time_s"])
+
+
+@pytest.mark.parametrize("events", [
+    ("{iteration:3,node:1}",),
+    ("{iteration:3,node:2,at:0.97}", "{iteration:6,node:0}"),
+    ("{iteration:3,node:3}", "{time_s:0.0035,node:1}"),  # a time-based failure, maybe during the replay
+], ids=["one", "two, after steps", "time-based"])
+def test_sim_and_local_agree_on_the_logging_path(tmp_path, events):
+    """The conformance test's check (tests/test_conformance.py) on Swift's replay path: the
+    same events, actions, restored iterations, plans and modelled times on sim and local."""
+    from test_conformance import SETUP, _trace
+
+    overrides = ("strategy=swift", "strategy.every=2", *SETUP, "cluster.pp=4", "cluster.dp=1", "failures=scripted",
+                 _events(*events))
+    sim = run(tmp_path / "sim", "backend=sim", *overrides)
+    local = run(tmp_path / "local", "backend=local", "backend.clock=model", *overrides)
+    assert sim["status"] == "ok", sim["error"]
+    assert _trace(tmp_path / "local", local) == _trace(tmp_path / "sim", sim)
+    assert local["productive_s"] == pytest.approx(sim["productive_s"], rel=1e-9)
+    assert any("ReplayLogs" in r["actions"] for r in sim["recoveries"])
