@@ -252,7 +252,8 @@ def _totals(outcome, global_batch: int) -> dict:
 def _run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
     cache = SimCache(ctx.cost_model, enabled=cfg.backend.memoize)
     with _progress(ctx, cfg.report.progress, "simulating") as progress:
-        outcome = run_loop(ctx, strategy, cluster, script, SimBackend(ctx), cache, log, progress)
+        backend = SimBackend(ctx, getattr(strategy, "extra_memory", None))
+        outcome = run_loop(ctx, strategy, cluster, script, backend, cache, log, progress)
     first = outcome.first_timeline
     if first is not None and cfg.report.gantt:
         _draw_gantt(outcome, cache, run_dir, cfg, ctx)
@@ -260,6 +261,7 @@ def _run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
     return {
         **_totals(outcome, ctx.global_batch),
         "peak_memory_bytes": [int(outcome.peak_memory_bytes[w]) for w in sorted(outcome.peak_memory_bytes)],
+        "peak_host_bytes_max": backend.peak_host,
         "iteration_time_s": first.iteration_time if first else None,
         "bubble_fraction": first.bubble_fraction() if first else None,
         "plans_simulated": cache.distinct_plans,
@@ -283,6 +285,7 @@ def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: s
         _draw_gantt(outcome, timelines, run_dir, cfg, ctx)
     result = {**_totals(outcome, ctx.global_batch), "losses": outcome.losses, "clock": clock, "threads": threads,
               "peak_memory_bytes": [engine.peak_memory[w] for w in sorted(engine.peak_memory)],
+              "peak_host_bytes_max": max(engine.peak_host.values(), default=0),
               "final_state": None, "matches_fault_free": None}
     if engine.boundary_log is not None:  # Swift: what the log held at most, then it goes (the run is over)
         engine.boundary_log.close(remove=True)

@@ -26,6 +26,12 @@ class CheckFreq(CheckpointRestart):
                               "give the tolerated fraction of iteration time, e.g. strategy.overhead_bound=0.035")
         self.overhead_bound = cfg.overhead_bound
 
+    def extra_memory(self, plan) -> tuple[None, float]:
+        """CheckFreq's snapshot: a copy of the writer's stage in host memory until it is persisted."""
+        from ftbench.recovery_costs import _most_replica_bytes
+
+        return None, _most_replica_bytes(plan, self.ctx.cost_model)
+
     def _needs_mtbf(self) -> bool:
         return False  # CheckFreq tunes from measured costs alone
 

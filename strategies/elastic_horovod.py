@@ -18,6 +18,7 @@ from ftbench.actions import MEMORY, Rendezvous, RestoreCheckpoint, SyncFromPeers
 from ftbench.cluster import Cluster
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
+from ftbench.recovery_costs import _most_replica_bytes
 from ftbench.transfers import peer_copies
 from ftbench.strategies.base import Recovery
 from ftbench.strategies.checkpoint import CheckpointRestart
@@ -67,6 +68,10 @@ class ElasticHorovod(CheckpointRestart):
         old = self.current
         plan = self._reshape(cluster, self.placement + idle[:grow * pp])
         return Recovery(actions=[Rendezvous(), SyncFromPeers(self._copies(old, plan, set(alive)))], plan=plan)
+
+    def extra_memory(self, plan: Plan) -> tuple[None, float]:
+        """Elastic Horovod's commit: a copy of each worker's state in host memory (the sim's report)."""
+        return None, _most_replica_bytes(plan, self.ctx.cost_model)
 
     def _held_stages(self, up: set[int], pp: int) -> set[int]:
         """Stages some live worker of the current plan holds (looking no further once all pp are)."""

@@ -31,9 +31,13 @@ from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
 from ftbench.planning.swift import SelectiveLogging
+from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM, _replica_bytes
 from ftbench.strategies.base import Recovery
 from ftbench.strategies.checkpoint import CheckpointRestart
 from ftbench.transfers import peer_copies
+
+
+UNDO_BYTES_PER_PARAM = 4  # the fp32 gradient the last optimizer step applied
 
 
 class Swift(CheckpointRestart):
@@ -126,6 +130,19 @@ class Swift(CheckpointRestart):
             t[machine[s]] += c.forward_s + c.backward_input_s + c.backward_weight_s
         boundary = [cm.spec.boundary_bytes(ctx.microbatch_size, ctx.seq_len)] * machine[-1]
         return SelectiveLogging(t, boundary, plan.schedule.microbatches[0], self.every, self.parallel)
+
+    def extra_memory(self, plan: Plan) -> tuple[dict[int, float], float]:
+        """What Swift keeps beyond training state (the sim's memory check and report): on the
+        device, the undo's copy of the last applied gradient (fp32, as the optimizer consumed
+        it: UNDO_BYTES_PER_PARAM per parameter of the worker's replicas); in host memory, one
+        iteration's log on the sender until it is written (its logged sends: every
+        micro-batch's boundary tensor, each way it sends one)."""
+        per_param = UNDO_BYTES_PER_PARAM / CHECKPOINT_BYTES_PER_PARAM
+        device = {w: b * per_param for w, b in _replica_bytes(plan, self.ctx.cost_model).items()}
+        boundary = self.ctx.cost_model.spec.boundary_bytes(self.ctx.microbatch_size, self.ctx.seq_len)
+        sends = max((sum((d, s) in plan.logged for d, s in held) + sum((d, s - 1) in plan.logged for d, s in held), m)
+                    for held, m in ((held, plan.schedule.microbatches[held[0][0]]) for held in plan.holds.values()))
+        return device, sends[0] * sends[1] * boundary if sends[0] else 0.0
 
     # -- recovery -----------------------------------------------------------------------
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:

@@ -67,7 +67,11 @@ class LocalEngine:
         self.workers: dict[int, Worker] = {}
         self.executor = Executor(self.workers, recompute=getattr(ctx, "recompute", "none"))  # train.recompute
         self.plan = None
-        self.peak_memory: dict[int, int] = {}
+        self.peak_memory: dict[int, int] = {}  # worker -> peak bytes of device state (weights, grads, Adam, undo, activations)
+        # worker -> peak bytes of what a strategy keeps in host memory besides: in-memory
+        # commits (Elastic Horovod), snapshots until persisted (CheckFreq), the iteration's
+        # boundary log until it is written (Swift)
+        self.peak_host: dict[int, int] = {}
         self.undone = 0  # optimizer steps undone over the run (abandoned iterations), all replicas
 
     # -- building state -----------------------------------------------------------------
@@ -207,9 +211,14 @@ class LocalEngine:
         for w, worker in self.workers.items():
             if worker.alive:
                 state = sum(r.state_bytes() + r.undo.bytes() for r in worker.replicas.values())
+                host = sum(tensor_bytes(r.commit) for r in worker.replicas.values())
                 if self.boundary_log is not None:
-                    state += self.boundary_log.buffered(w)  # the iteration's log, until it is written
+                    host += self.boundary_log.buffered(w)  # the iteration's log, until it is written
+                self._host(w, host)
                 self.peak_memory[w] = max(self.peak_memory.get(w, 0), state + worker.peak_activation_bytes)
+
+    def _host(self, worker: int, nbytes: int) -> None:
+        self.peak_host[worker] = max(self.peak_host.get(worker, 0), nbytes)
 
     # -- checkpoints --------------------------------------------------------------------
     def _writers(self, plan=None) -> list[Writer]:
@@ -226,6 +235,7 @@ class LocalEngine:
             for w in self.plan.holds:
                 for replica in self.workers[w].replicas.values():
                     replica.commit = {"iteration": iteration, "shard": replica.shard()}
+            self._track_memory()  # the commits are host memory from now on
             return SaveCost(time.perf_counter() - started, 0.0)
         shards = {wr.name: self._shard(wr) for wr in self._writers()}
         if mode == FILE:
@@ -234,6 +244,8 @@ class LocalEngine:
                 self.boundary_log.drop_before(iteration)  # the checkpoint covers the logs before it
             return SaveCost(time.perf_counter() - started, 0.0)
         if mode == SNAPSHOT:
+            for wr in self._writers():  # each writer holds its snapshot until the persist is done
+                self._host(wr.worker, tensor_bytes(shards[wr.name]))
             self.store.save_async(iteration, shards)  # shard() already copied: that is the snapshot
             return SaveCost(time.perf_counter() - started, 0.0)
         raise ValueError(f"unknown checkpoint mode {mode!r}")
@@ -339,6 +351,17 @@ class LocalEngine:
                     if not replicas_agree(p, state[name], exact=self.undone == 0):
                         raise RuntimeError(f"replicas of {name} diverged (worker {w}, layers {layers})")
         return state
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor in nested dicts and lists (0 for None)."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 def replicas_agree(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:

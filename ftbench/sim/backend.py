@@ -20,8 +20,14 @@ class SimBackend:
     jumps = True
     cuts_ops = False
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, extra_memory=None):
         self.ctx = ctx
+        # strategy.extra_memory(plan) -> ({worker: device bytes} or None, host bytes at most):
+        # what the strategy's mechanism keeps beyond training state (Swift: the undo's gradient
+        # on the device and the iteration's log in host memory; Elastic Horovod's commit and
+        # CheckFreq's snapshot in host memory)
+        self.extra_memory = extra_memory
+        self.peak_host = 0.0
         self.saved: list[int] = []  # iterations of the checkpoints that exist (newest few)
         self._peak: dict[int, float] = {}
         self._checked: tuple[SimResult, str | None] | None = None  # the last result checked, and its answer
@@ -69,12 +75,18 @@ class SimBackend:
         # The loop asks again after every event; a result already folded in changes nothing.
         if self._checked is not None and self._checked[0] is result:
             return self._checked[1]
-        problem = self._check_memory(result)
+        extra = None
+        if self.extra_memory is not None:
+            extra, host = self.extra_memory(plan)
+            self.peak_host = max(self.peak_host, host)
+        problem = self._check_memory(result, extra)
         self._checked = (result, problem)
         return problem
 
-    def _check_memory(self, result: SimResult) -> str | None:
+    def _check_memory(self, result: SimResult, extra: dict | None = None) -> str | None:
         peaks, kept = result.peak_memory_bytes, self._peak
+        if extra:
+            peaks = {w: peak + extra.get(w, 0.0) for w, peak in peaks.items()}
         get = kept.get
         for w, peak in peaks.items():  # kept[w] = max(kept.get(w, 0.0), peak), written only where it changes
             old = get(w, 0.0)
@@ -88,8 +100,10 @@ class SimBackend:
         worker = next(w for w, p in peaks.items() if p == peak)  # the first at the peak, as max(key=) picks
         act = result.peak_activation_bytes[worker]
         hw = self.ctx.hardware
+        kept_extra = (extra or {}).get(worker, 0.0)
+        more = f" + the strategy's own {kept_extra / 1e9:.1f} GB" if kept_extra else ""
         return (f"out of memory: worker {worker} needs {peak / 1e9:.1f} GB (weights, gradients and Adam state "
-                f"{(peak - act) / 1e9:.1f} GB + stashed activations {act / 1e9:.1f} GB) but hardware={hw.name} has "
+                f"{(peak - act - kept_extra) / 1e9:.1f} GB{more} + stashed activations {act / 1e9:.1f} GB) but hardware={hw.name} has "
                 f"{hw.memory_gb:g} GB; raise cluster.pp, lower train.microbatch_size or pick a larger GPU")
 
     def peak_memory(self) -> dict[int, float]:
