@@ -178,8 +178,9 @@ def replay_seconds(action: ReplayLogs, plan: Plan, cost_model) -> float:
     helpers, who load the same state) read their checkpoint, then replay each iteration since
     it: every replayed pipeline runs its replayed stages as a pipeline over its share of the
     micro-batches (fill plus steady state: sum of one micro-batch's stage times plus
-    (m - 1) times the slowest), the helpers' gradients are summed, each stage steps, and the
-    logged inputs are read from storage (nodes read in parallel)."""
+    (m - 1) times the slowest), the helpers' gradients are summed, each stage steps; the
+    logged inputs of its share are read from storage by each group's node, overlapped with
+    the replay (a reader fetches the next iteration's logs meanwhile: our assumption)."""
     hw = cost_model.hw
     k = max(len(action.helpers), 1)
     stages = {}  # worker -> (pipeline, stage, StageCost) of what it replays
@@ -197,21 +198,42 @@ def replay_seconds(action: ReplayLogs, plan: Plan, cost_model) -> float:
         by_pipeline[d].append((s, c))
     per_iteration, log_read = 0.0, defaultdict(float)
     boundary = cost_model.spec.boundary_bytes(cost_model.b, cost_model.s)
+    groups = action.helpers or (action.workers,)
+    place = {w: k for k, w in enumerate(action.workers)}  # a replayed worker's place in every group
     for d, run in by_pipeline.items():
         m = -(-plan.schedule.microbatches[d] // k)  # a helper's share
         times = [c.forward_s + c.backward_input_s + c.backward_weight_s for _, c in run]
         step = max(cost_model.optimizer_s(c.params) + cost_model.allreduce_s(c.params, k, False) for _, c in run)
         per_iteration = max(per_iteration, sum(times) + (m - 1) * max(times) + step)
-        replayed = {s for s, _ in run}
-        for s, _ in run:  # inputs from outside the replay come from the log
-            if s > 0 and s - 1 not in replayed:
-                log_read[_worker_node(plan, d, s)] += plan.schedule.microbatches[d] * boundary
-            if s + 1 < plan.schedule.stages[d] and s + 1 not in replayed:
-                log_read[_worker_node(plan, d, s)] += plan.schedule.microbatches[d] * boundary
+    replayed = {(d, s) for d, s, _ in stages.values()}
+    for w, (d, s, _) in stages.items():  # inputs from outside the replay come from the log
+        edges = (s > 0 and (d, s - 1) not in replayed) + (s + 1 < plan.schedule.stages[d] and (d, s + 1) not in replayed)
+        for group in groups:  # each group reads the logs of its share of the micro-batches, on its own node
+            share = -(-plan.schedule.microbatches[d] // k)
+            log_read[plan.node_of[group[place[w]]]] += edges * share * boundary
     iterations = action.until - action.since
     read_s = max(log_read.values(), default=0.0) / (hw.storage_gbps * 1e9)
-    return load_s + iterations * (per_iteration + read_s)
+    # a reader thread fetches the next iteration's logs while this one replays
+    return load_s + iterations * max(per_iteration, read_s)
 
 
-def _worker_node(plan: Plan, pipeline: int, stage: int) -> int:
-    return next(plan.node_of[w] for w, held in plan.holds.items() if (pipeline, stage) in held)
+def logging_stall_s(plan: Plan, cost_model, iteration_s: float) -> float:
+    """Swift's logging per iteration, overlapped with training: each sender copies its logged
+    tensors to host memory (`host_gbps` per GPU) and its node writes them to storage
+    (`storage_gbps` per node) while the next iteration runs; training waits only for what
+    does not fit in an iteration's time (the slowest copy or node write beyond it)."""
+    if not plan.logged:
+        return 0.0
+    hw = cost_model.hw
+    boundary = cost_model.spec.boundary_bytes(cost_model.b, cost_model.s)
+    per_node, most = defaultdict(float), 0.0
+    for w, held in plan.holds.items():
+        sends = sum(((d, s) in plan.logged) + ((d, s - 1) in plan.logged) * (s > 0) for d, s in held)
+        if sends:
+            nbytes = sends * plan.schedule.microbatches[held[0][0]] * boundary
+            per_node[plan.node_of[w]] += nbytes
+            most = max(most, nbytes)
+    if not per_node:
+        return 0.0
+    slowest = max(most / (hw.host_gbps * 1e9), max(per_node.values()) / (hw.storage_gbps * 1e9))
+    return max(0.0, slowest - iteration_s)

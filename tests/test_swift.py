@@ -298,3 +298,52 @@ def test_sim_and_local_agree_on_the_logging_path(tmp_path, events):
     assert _trace(tmp_path / "local", local) == _trace(tmp_path / "sim", sim)
     assert local["productive_s"] == pytest.approx(sim["productive_s"], rel=1e-9)
     assert any("ReplayLogs" in r["actions"] for r in sim["recoveries"])
+
+
+def test_the_benchmark_compares_swift_with_the_baselines(tmp_path, capsys):
+    """benchmarks/swift.py --quick as the README runs it: Swift's own setup and GPT-3 Medium
+    (dp 4 and dp 1). Every run with the failure takes longer than the fault-free baseline;
+    Swift never loses iterations; Elastic Horovod cannot recover without a replica."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import swift as bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert bench.main(["--quick", "--plot", str(tmp_path / "s.png")]) == 0
+    out = capsys.readouterr().out
+    assert "swift-eval       swift" in out and (tmp_path / "s.png").stat().st_size > 0
+    results = bench.measure(quick=True, parallel=4, echo=lambda line: None)
+    assert set(results) == {"swift-eval", "gpt3-medium", "gpt3-medium-dp1"}
+    for setup, got in results.items():
+        free = got["none"]
+        assert free["status"] == "ok" and free["failures"] == 0
+        for label, s in got.items():
+            if label == "none":
+                continue
+            if label == "elastic-horovod" and setup != "gpt3-medium":
+                assert s["status"] == "unrecoverable", s["error"]  # dp 1: no replica
+                continue
+            assert s["status"] == "ok" and s["failures"] == 1, (setup, label, s["error"])
+            assert s["time_s"] > free["time_s"]
+            if label.startswith("swift"):
+                assert s["lost_iterations"] == 0
+                replay = "ReplayLogs" in s["recoveries"][0]["actions"]
+                assert replay == (setup != "gpt3-medium"), (setup, s["recoveries"])
+        if "swift parallel 4" in got:
+            assert got["swift parallel 4"]["recoveries"][0]["recovery_s"] < got["swift"]["recoveries"][0]["recovery_s"]
+
+
+def test_logging_stalls_training_only_where_storage_cannot_keep_up(tmp_path):
+    """The log writes overlap training: free at the profile's storage bandwidth, a stall when
+    a node cannot write an iteration's log within an iteration."""
+    setup = ("backend=sim", "model=gpt3-medium", "cluster.pp=4", "cluster.dp=1", "train.iterations=20",
+             "failures=none", "report.gantt=false")
+    plain = run(tmp_path / "plain", *setup, "strategy=checkpoint")
+    swift = run(tmp_path / "swift", *setup, "strategy=swift")
+    slow = run(tmp_path / "slow", *setup, "strategy=swift", "hardware.storage_gbps=0.01")
+    assert swift["iteration_time_s"] == plain["iteration_time_s"]
+    assert slow["iteration_time_s"] > swift["iteration_time_s"]

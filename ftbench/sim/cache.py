@@ -8,6 +8,7 @@ from collections import OrderedDict
 
 from ftbench.costs import PlanCosts
 from ftbench.plan import Plan
+from ftbench.recovery_costs import logging_stall_s
 from ftbench.schedule import check_coverage
 from ftbench.sim.simulator import SimResult, simulate
 
@@ -38,6 +39,8 @@ class SimCache:
         if result is None:
             check_coverage(plan.schedule)  # a strategy's plan must train every micro-batch once
             result = simulate(plan.schedule, PlanCosts(self.cost_model, plan), staggered=plan.staggered_optimizer)
+            if plan.logged:  # Swift's log writes, where storage cannot keep up with training
+                result.iteration_time += logging_stall_s(plan, self.cost_model, result.iteration_time)
             self.simulations += 1
             if self.enabled:
                 self._keep(key, result)
