@@ -312,7 +312,7 @@ def test_two_config_errors_in_the_same_second_keep_both_folders(tmp_path, monkey
     ("train.lr=fast", ["train.lr takes a number", "not 'fast'"]),
     ("report.gantt=maybe", ["report.gantt takes true or false"]),
     ("strategy.level=reroute", ["strategy.level is a setting of strategy=recycle only"]),
-    ("strategy.every=3", ["the strategies checkfreq, checkpoint, elastic-horovod, recycle, varuna only"]),
+    ("strategy.every=3", ["the strategies checkfreq, checkpoint, elastic-horovod, recycle, swift, varuna only"]),
 ])
 def test_hydras_rejections_name_the_fix(tmp_path, monkeypatch, capsys, override, words):
     """A comma list without --multirun keeps Hydra's hint; a value of the wrong type says the type."""
