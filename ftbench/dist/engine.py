@@ -28,7 +28,9 @@ import torch
 
 from ftbench.actions import FILE, MEMORY, SNAPSHOT
 from ftbench.dist.membership import log
-from ftbench.dist.transport import DistAbort, DistError, DistTimeout, DistTransport, describe_error, plan_crc
+from ftbench.dist.transport import (DistAbort, DistError, DistTimeout, DistTransport, describe_error, p2p_order,
+                                   plan_crc)
+from ftbench.engine.boundary_log import LoggingTransport, ReplayTransport, logged_key
 from ftbench.engine.transport import ACT
 from ftbench.errors import ResultError
 from ftbench.engine.executor import WorkerExecutor, sync_members
@@ -45,8 +47,11 @@ from ftbench.schedule import F, OPT, RSYNC, Op, dependency_graph, topological_or
 class DistEngine:
     def __init__(self, ctx, data, lr: float, weight_decay: float, dtype: torch.dtype, transport: DistTransport,
                  device: torch.device, store=None, recompute: str = "none", undo: bool = False,
-                 kill: tuple[int, int, int] | None = None):
+                 kill: tuple[int, int, int] | None = None, boundary_log=None):
         self.ctx, self.data, self.lr, self.weight_decay = ctx, data, lr, weight_decay
+        # Swift's boundary log (ftbench.engine.boundary_log): this rank's own BoundaryLog on the
+        # run folder every rank shares, so a replay reads what the other ranks' workers sent
+        self.boundary_log = boundary_log
         # backend.unannounced=recover: an unannounced death rolls the survivors back to the start
         # of the iteration in flight (roll_back). Nothing is copied for it: every replica's
         # optimizer steps through its StepUndo (ftbench.engine.undo), which keeps the step's
@@ -174,20 +179,15 @@ class DistEngine:
         late = []
         if completed is not None:
             steps, late = self._cut_steps(steps, completed, opt_syncs)
-        schedule = plan.schedule
-        offsets = [sum(schedule.microbatches[:p]) for p in range(len(schedule.microbatches))]
-        b = self.ctx.microbatch_size
-
-        def tokens(pipeline: int, microbatch: int) -> torch.Tensor:
-            first = (offsets[pipeline] + microbatch) * b  # as LocalEngine.run_iteration: fixed by (seed, i)
-            return batch(self.data, iteration, range(first, first + b)).to(self.device)
-
-        normaliser = float(self.ctx.global_batch * (self.ctx.seq_len - 1))
+        tokens, normaliser = self._tokens(plan, iteration), self._normaliser
         world = self.transport.world
         vector = torch.zeros(len(slots) + 2 * world, dtype=torch.float64, device=self.device)
         if self.worker is not None:
             extra = {} if self.recompute == "none" else {"recompute": self.recompute}
             transport = self.transport if completed is None else _CutTransport(self.transport, plan, completed)
+            if self.boundary_log is not None and plan.logged:
+                # a cut iteration's records are dropped with it (abandon_iteration)
+                transport = LoggingTransport(transport, self.boundary_log, plan.logged, iteration)
             executor = WorkerExecutor(self.worker, transport, plan, tokens, normaliser, **extra)
             self._commit_steps()  # nothing recorded reaches back into an earlier iteration
             dies_after = self.kill[2] if self.kill and self.kill[:2] == (self.rank, iteration) and completed is None \
@@ -225,15 +225,35 @@ class DistEngine:
             raise DistError(f"the ranks' run loops disagree at iteration {iteration}: iterations "
                             f"{[int(m) - 1 for m in its]}, plan fingerprints {[int(m) for m in crcs]} (ranks {alive})")
         self._commit_steps()  # every rank ended the iteration: its steps stand
+        if self.boundary_log is not None:
+            self.boundary_log.seal(iteration)  # only now: a death before the sum abandons the iteration
         loss = torch.zeros((), dtype=torch.float64)
         for share in vector[:len(slots)].cpu():
             loss += share  # the global order, as the local driver adds
         return float(loss)
 
+    def _tokens(self, plan, iteration: int):
+        """tokens(pipeline, microbatch) of `iteration` under `plan`, on this rank's device."""
+        schedule = plan.schedule
+        offsets = [sum(schedule.microbatches[:p]) for p in range(len(schedule.microbatches))]
+        b = self.ctx.microbatch_size
+
+        def tokens(pipeline: int, microbatch: int) -> torch.Tensor:
+            first = (offsets[pipeline] + microbatch) * b  # as LocalEngine.run_iteration: fixed by (seed, i)
+            return batch(self.data, iteration, range(first, first + b)).to(self.device)
+        return tokens
+
+    @property
+    def _normaliser(self) -> float:
+        return float(self.ctx.global_batch * (self.ctx.seq_len - 1))
+
     def _track_memory(self) -> None:
         """Weights, gradients, AdamW state and the undo's gradient copies (StepUndo.bytes),
-        which live from a replica's step to the iteration's end, plus the activations."""
+        which live from a replica's step to the iteration's end, plus the activations, plus
+        the boundary log's buffer of the iteration in flight (Swift), until it is written."""
         state = sum(r.state_bytes() + r.undo.bytes() for r in self.worker.replicas.values())
+        if self.boundary_log is not None:
+            state += self.boundary_log.buffered(self.worker.id)
         self.peak_memory = max(self.peak_memory, state + self.worker.peak_activation_bytes)
 
     def _commit_steps(self) -> None:
@@ -261,6 +281,8 @@ class DistEngine:
                     replica.undo.undo()
                     undone += 1
                 replica.reset_iteration()
+        if self.boundary_log is not None:
+            self.boundary_log.discard_open()  # an abandoned iteration's sends are not logged
         self.transport.clear()
         return undone
 
@@ -302,6 +324,132 @@ class DistEngine:
         if self.worker is not None:
             load_shards(self.worker.replicas.values(), shards, self.device)
         return iteration
+
+    def replay(self, plan, workers, since: int, until: int, chunks: int = 1) -> None:
+        """Swift's logging-based recovery (ftbench.actions.ReplayLogs), every live rank taking
+        part: the ranks running `workers` load their replicas from the FILE checkpoint of
+        iteration `since` and replay iterations since..until-1, their own ops in the plan's
+        global order and the gradient sums among them (`_replay_steps`), what other workers
+        sent them read from those workers' log files in the shared folder (ReplayTransport);
+        every other rank waits. All meet after each replayed iteration (one all-reduce, within
+        the transport's deadline like every wait here), so no wait spans the whole replay.
+
+        With `chunks` > 1 (parallel recovery) each replayed rank splits the iteration's
+        micro-batches into that many contiguous groups itself, accumulates each group's
+        gradients apart and sums them in group order before the sums and steps: the local
+        backend's chunked replay (Executor.replay), the same arithmetic. The helpers do not
+        compute here (on dist their share would have to come back as gradients over the
+        network; the result is the same)."""
+        t = self.transport
+        self.adopt(plan)  # always: a standby may have taken over a worker of this very plan (DistBackend._place)
+        workers = frozenset(workers)
+        replaying = self.worker is not None and self.worker.alive and self.worker.id in workers
+        if replaying and self.boundary_log is None:
+            raise DistError(f"rank {self.rank}: worker {self.worker.id} replays from the boundary log, but the "
+                            "strategy keeps none (no log_dir)")
+        if self.boundary_log is not None:
+            self.boundary_log.wait()  # this rank's logged iterations are on storage before anyone reads them
+        if self.rank == t.leader and self.store is not None:
+            self.store.wait()
+        t.all_sum(torch.zeros(1, dtype=torch.float64, device=self.device),
+                  "wait for the checkpoint files and the boundary logs of every rank")
+        # Only the replaying ranks read the checkpoint; they must all find the one of `since`,
+        # and every log file they will read must be there (else all stop here, alike).
+        loaded = self.store.load(at_most=since) if replaying and self.store is not None else None
+        mine = (0 if loaded is None else loaded[0], self._missing_logs(plan, workers, since, until)) if replaying \
+            else None
+        views = t.all_gather_objects(mine, "agree on the checkpoint and the logs the replay starts from")
+        held = {v[0] for v in views if v is not None}
+        missing = [path for v in views if v is not None for path in v[1]]
+        if len(held) > 1:
+            raise DistError(f"the replaying ranks found different checkpoints in {self.store.root}: iterations "
+                            f"{[None if v is None else v[0] for v in views]} (ranks {t.alive}; None: not replaying); "
+                            "is the run folder shared?")
+        if not held:
+            raise DistError(f"no live rank runs the replayed workers {sorted(workers)}")
+        if held != {since}:
+            raise ResultError("unrecoverable", f"the replay starts from the checkpoint of iteration {since}, but the "
+                              f"newest usable checkpoint holds iteration {held.pop()}")
+        if missing:
+            raise ResultError("unrecoverable", f"the replay of iterations {since}..{until - 1} needs boundary logs "
+                              f"that are not there: {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
+        if replaying:
+            if loaded is None:  # iteration 0 without a file: the initial weights, re-created from the seed
+                for layers, replica in list(self.worker.replicas.items()):
+                    self.worker.replicas[layers] = self._replica(layers, replica.stage, replica.module.is_last)
+                    replica.destroy()
+            else:
+                load_shards(self.worker.replicas.values(), list(loaded[1].values()), self.device)
+            steps = self._replay_steps(plan, workers)
+        for iteration in range(since, until):
+            if replaying:
+                self._replay_iteration(plan, workers, iteration, steps, chunks)
+            t.all_sum(torch.zeros(1, dtype=torch.float64, device=self.device),
+                      f"wait for the replay of iteration {iteration} by workers {sorted(workers)}")
+
+    def _missing_logs(self, plan, workers: frozenset, since: int, until: int) -> list[str]:
+        """The log files this worker's replay would read (what workers outside the replay sent
+        it across a logged boundary, each iteration) that are not on storage."""
+        _, receives = p2p_order(plan)
+        me = self.worker.id
+        sources = sorted({src for (src, dst), keys in receives.items()
+                          if dst == me and src not in workers and any(logged_key(k, plan.logged) for k in keys)})
+        paths = [self.boundary_log.path(src, i) for src in sources for i in range(since, until)]
+        return [str(p) for p in paths if not p.exists()]
+
+    def _replay_steps(self, plan, workers: frozenset) -> list:
+        """This worker's steps of a replay by `workers`: all its ops, and the sums it takes
+        part in, which must lie within the replay (as Executor.replay requires)."""
+        steps, _, members, _ = self._plan_steps(plan)
+        for step in steps:
+            if step[0] == "start" and not workers.issuperset(members[step[1]]):
+                raise DistError(f"{step[1]} sums over workers {members[step[1]]}, of which only "
+                                f"{sorted(workers.intersection(members[step[1]]))} replay")
+        return steps
+
+    def _replay_iteration(self, plan, workers: frozenset, iteration: int, steps: list, chunks: int) -> None:
+        _, _, members, _ = self._plan_steps(plan)
+        transport = ReplayTransport(self.transport, self.boundary_log, workers, iteration)
+        extra = {} if self.recompute == "none" else {"recompute": self.recompute}
+        executor = WorkerExecutor(self.worker, transport, plan, self._tokens(plan, iteration), self._normaliser,
+                                  **extra)
+
+        def run(step) -> None:
+            if step[0] == "start":
+                executor.reduce_start(step[1], members[step[1]])
+                return
+            for sync in step[2]:
+                executor.reduce_wait(sync, members[sync])
+            executor.run(step[1])
+
+        if chunks <= 1:
+            for step in steps:
+                run(step)
+        else:
+            counts = plan.schedule.microbatches
+            params = [p for r in self.worker.replicas.values() for p in r.module.parameters()]
+            parts = []  # per chunk, per parameter: its gradient over the chunk's micro-batches
+            for k in range(chunks):
+                for step in steps:
+                    op, n = step[1], counts[step[1].pipeline] if step[0] == "op" else 0
+                    if step[0] == "op" and op.kind != OPT and k * n // chunks <= op.microbatch < (k + 1) * n // chunks:
+                        run(step)
+                parts.append([p.grad for p in params])
+                for p in params:
+                    p.grad = None
+            for i, p in enumerate(params):  # summed in chunk order, as Executor.replay does
+                present = [part[i] for part in parts if part[i] is not None]
+                if present:
+                    total = present[0].clone()
+                    for g in present[1:]:
+                        total.add_(g)
+                    p.grad = total
+            for step in steps:
+                if step[0] == "start" or step[1].kind == OPT:
+                    run(step)
+        self.transport.flush_sends()
+        self._track_memory()
+        self._commit_steps()
 
     def copy_replicas(self, copies, plan) -> None:
         """Named state copies (ftbench.actions.Transfer) between processes, then `plan` (as
@@ -466,7 +614,9 @@ class DistBackend:
     (ftbench.dist.membership). Recovery actions are then performed for real: a standby's
     processes take over a replaced node's workers, a restart rebuilds every worker's state
     from the initial weights in place, checkpoints are read from the shared run folder, state
-    is copied between processes. Each recovery's measured phases are kept for the summary."""
+    is copied between processes, and Swift's lost stages are replayed from the checkpoint on
+    the boundary logs the other ranks wrote to the shared run folder (DistEngine.replay). Each
+    recovery's measured phases are kept for the summary."""
 
     jumps = False
     cuts_ops = True
@@ -490,6 +640,7 @@ class DistBackend:
         self.recoveries: list[dict] = []  # measured phases, one per recovery
         self._pending: dict | None = None
         self._first_after: dict | None = None
+        self.log_stats: dict = {}  # Swift's boundary log over the job (finish): log_peak_bytes, log_files
 
     def start(self, plan) -> None:
         self.engine.build(plan)
@@ -669,8 +820,8 @@ class DistBackend:
                                  restored=restored)
 
     def _perform(self, actions, old, new, iteration: int, phases: dict, pending, lost=()) -> int | None:
-        from ftbench.actions import (Rendezvous, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
-                                     WaitForReplacement)
+        from ftbench.actions import (Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint,
+                                     SyncFromPeers, UndoSteps, WaitForReplacement)
         from ftbench.recovery_costs import action_seconds
 
         engine, restored = self.engine, None
@@ -682,7 +833,7 @@ class DistBackend:
             started = time.perf_counter()
             if isinstance(action, (WaitForReplacement, Rendezvous)) and lost:
                 continue  # waited for, or agreed, in the interrupted attempt
-            if dies and not isinstance(action, (WaitForReplacement, Rendezvous)):
+            if dies and not isinstance(action, (WaitForReplacement, Rendezvous, UndoSteps)):
                 _die("backend.kill=RANK:ITERATION:recovery, as the recovery moves state")
             if isinstance(action, WaitForReplacement):
                 if self.realtime and action.seconds:
@@ -699,6 +850,11 @@ class DistBackend:
             elif isinstance(action, SyncFromPeers):
                 engine.copy_replicas(action.copies, new)
                 name = "state_transfer_s"
+            elif isinstance(action, ReplayLogs):
+                engine.replay(new, action.workers, action.since, action.until, max(len(action.helpers), 1))
+                name = "replay_s"
+            elif isinstance(action, UndoSteps):
+                name = "undo_s"  # done when the failure struck (DistEngine.abandon_iteration)
             elif isinstance(action, Rendezvous):
                 name = "rendezvous_s"  # the group of the survivors was built when they agreed
             elif isinstance(action, SaveCheckpoint):
@@ -793,7 +949,7 @@ class DistBackend:
         if engine.plan is not plan:
             engine.adopt(plan)
         started = time.perf_counter()
-        persist, stall = 0.0, None
+        persist, stall, written = 0.0, None, False
         leader = engine.rank == t.leader
         if mode == MEMORY:
             engine.commit(iteration)
@@ -803,7 +959,7 @@ class DistBackend:
             if leader:
                 merged = {k: v for part in gathered for k, v in part.items()}
                 if mode == FILE:
-                    engine.store.save(iteration, merged)
+                    written = engine.store.save(iteration, merged).skipped is None
                 else:
                     engine.store.save_async(iteration, merged)  # shard() copied: that is the snapshot
                     if not self._measured_persist:  # measure the background persist once, for tuning
@@ -812,9 +968,25 @@ class DistBackend:
             self._measured_persist = self._measured_persist or mode == SNAPSHOT
         else:
             raise ValueError(f"unknown checkpoint mode {mode!r}")
-        cost = [time.perf_counter() - started if stall is None else stall, persist]
+        cost = [time.perf_counter() - started if stall is None else stall, persist, written]
         cost = t.all_gather_objects(cost, "share the checkpoint's cost")[0]  # the leader's, first in rank order
-        return SaveCost(*cost)
+        if cost[2] and engine.boundary_log is not None:  # every rank knows the files are complete now
+            self._drop_logs_before(iteration)
+        return SaveCost(*cost[:2])
+
+    def _drop_logs_before(self, iteration: int) -> None:
+        """A FILE checkpoint of `iteration` is written: each rank deletes its own logs before it;
+        the leader also deletes those of workers whose process died (no live BoundaryLog knows
+        them), so the log on storage stays within one checkpoint interval after failures too."""
+        log = self.engine.boundary_log
+        log.drop_before(iteration)
+        if self.engine.rank == self.engine.transport.leader:
+            for path in log.folder.glob("worker*/iteration*.pt"):
+                try:
+                    if int(path.stem[len("iteration"):]) < iteration:
+                        path.unlink(missing_ok=True)
+                except ValueError:
+                    continue  # not a log file of ours
 
     def drop_checkpoints(self, iterations) -> None:
         if self.engine.store is not None and self.engine.rank == self.engine.transport.leader:
@@ -835,6 +1007,22 @@ class DistBackend:
         t = self.engine.transport
         if self.engine.store is not None and self.engine.rank == t.leader:
             self.engine.store.wait()
+        log = self.engine.boundary_log
+        if log is not None:
+            log.wait()  # every rank's files are written before the leader removes the folder (close_log)
         mine = {} if self.engine.worker is None else {self.engine.worker.id: self.engine.peak_memory}
-        everyone = t.all_gather_objects(mine, "gather the peak memory")
-        self._peaks = {w: v for part in everyone for w, v in part.items()}
+        stats = (0, 0) if log is None else (log.peak_bytes, log.files_written)
+        everyone = t.all_gather_objects((mine, stats), "gather the peak memory")
+        self._peaks = {w: v for part, _ in everyone for w, v in part.items()}
+        if log is not None:
+            # the ranks' logs peak together (every rank seals each iteration and drops at each
+            # checkpoint alike), so their sum is the folder's peak; ranks that died are missing
+            self.log_stats = {"log_peak_bytes": sum(s[0] for _, s in everyone),
+                              "log_files": sum(s[1] for _, s in everyone)}
+
+    def close_log(self) -> None:
+        """The run is over: the leader removes the log folder (every rank's writes ended in
+        `finish`); the others only stop their writer."""
+        log = self.engine.boundary_log
+        if log is not None:
+            log.close(remove=self.engine.rank == self.engine.transport.leader)

@@ -258,10 +258,16 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     if getattr(strategy, "checkpoint_mode", None) in (FILE, SNAPSHOT):
         # The leader writes; after a failure every rank reads its state back from the same folder.
         store = CheckpointStore(run_dir / "checkpoints", keep=cfg.strategy.get("keep", 2))
+    boundary_log = None
+    if getattr(strategy, "log_dir", None):  # Swift: each rank logs its own sends into the one shared folder
+        from ftbench.engine.boundary_log import BoundaryLog
+
+        boundary_log = BoundaryLog(run_dir / strategy.log_dir)
     recover = heartbeat is not None and cfg.backend.get("unannounced", "recover") == "recover"
     engine = DistEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, dtype, transport, device, store,
                         recompute=cfg.train.get("recompute") or "none", undo=recover,
-                        kill=parse_kill(cfg.backend.kill) if cfg.backend.get("kill") is not None else None)
+                        kill=parse_kill(cfg.backend.kill) if cfg.backend.get("kill") is not None else None,
+                        boundary_log=boundary_log)
     timelines = SimCache(ctx.cost_model)
     membership = None
     if heartbeat is not None:
@@ -271,6 +277,7 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     stall = parse_stall(cfg.backend.stall) if cfg.backend.get("stall") is not None else None
     backend = DistBackend(engine, cluster.gpus_per_node, cluster.nodes, membership, recover=recover, stall=stall)
     outcome = run_loop(ctx, strategy, cluster, script, backend, timelines, log, None, clock=clock)
+    backend.close_log()  # the run is over: the log folder goes (as on local)
     state = engine.gather_final_state() if outcome.status == "ok" else None
     if rank != transport.leader:
         return None
@@ -279,7 +286,8 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     result = {**_totals(outcome, ctx.global_batch), "losses": outcome.losses, "clock": clock, "threads": threads,
               "peak_memory_bytes": [outcome.peak_memory_bytes[w] for w in sorted(outcome.peak_memory_bytes)],
               "final_state": None, "matches_fault_free": None, "processes": world,
-              "process_group": pg_backend, "device": str(device), "measured_recoveries": backend.recoveries}
+              "process_group": pg_backend, "device": str(device), "measured_recoveries": backend.recoveries,
+              **backend.log_stats}
     if state is not None:
         state = {k: v.to(torch.device("cpu")) for k, v in state.items()}
         if rank == 0:

@@ -239,8 +239,8 @@ class LocalEngine:
             return SaveCost(time.perf_counter() - started, 0.0)
         shards = {wr.name: self._shard(wr) for wr in self._writers()}
         if mode == FILE:
-            self.store.save(iteration, shards)
-            if self.boundary_log is not None:
+            info = self.store.save(iteration, shards)
+            if self.boundary_log is not None and not getattr(info, "skipped", False):
                 self.boundary_log.drop_before(iteration)  # the checkpoint covers the logs before it
             return SaveCost(time.perf_counter() - started, 0.0)
         if mode == SNAPSHOT:
