@@ -25,7 +25,7 @@ Swift keeps no extra copy of the model state. When a node fails:
 """
 from __future__ import annotations
 
-from ftbench.actions import FILE, Rendezvous, ReplayLogs, SyncFromPeers, UndoSteps
+from ftbench.actions import FILE, Rendezvous, ReplayLogs, SyncFromPeers, Transfer, UndoSteps
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
@@ -34,7 +34,6 @@ from ftbench.planning.swift import SelectiveLogging
 from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM, _replica_bytes
 from ftbench.strategies.base import Recovery
 from ftbench.strategies.checkpoint import CheckpointRestart
-from ftbench.transfers import peer_copies
 
 
 UNDO_BYTES_PER_PARAM = 4  # the fp32 gradient the last optimizer step applied
@@ -147,38 +146,81 @@ class Swift(CheckpointRestart):
     # -- recovery -----------------------------------------------------------------------
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         plan = self.current
-        lost = {w for w, node in plan.node_of.items() if node == event.node}
-        up = {w for w, node in plan.node_of.items() if node != event.node and cluster.is_alive(node)}
-        holders: dict[tuple, set] = {}  # a replica's layers -> the live workers holding them
-        for w in up:
+        lost = set(self._workers_on(plan, event.node, cluster))
+        replicas = self._replicas_of(plan)
+        alive = cluster.is_alive
+
+        def live_holders(w: int) -> list[int]:
+            """A live worker outside `lost` holding each replica `w` holds (the first found, in
+            worker order), or [] when a replica of it has none."""
+            found = []
             for d, s in plan.holds[w]:
-                holders.setdefault(_layers(plan, d, s), set()).add(w)
-        orphans = {w for w in lost if any(not holders.get(_layers(plan, d, s)) for d, s in plan.holds[w])}
+                src = next((v for v in replicas[_layers(plan, d, s)] if v not in lost and alive(plan.node_of[v])),
+                           None)
+                if src is None:
+                    return []
+                found.append(src)
+            return found
+
+        orphans = {w for w in lost if not live_holders(w)}
         actions = [UndoSteps(), Rendezvous()]
         replay = self._replay_set(plan, orphans) if orphans else set()
-        copies = peer_copies(plan, plan, lambda w: w not in lost and w not in replay, self.ctx.cost_model)
-        copies = tuple(c for c in copies if c.dst in lost and c.dst not in replay)
+        copies = self._copies(plan, sorted(lost - replay), replay, replicas, alive)
         if copies:
             actions.append(SyncFromPeers(copies))  # replication-based recovery
         if replay:
             since = iteration // self.every * self.every  # the newest checkpoint (saved synchronously)
-            helpers = self._helpers(plan, sorted(replay), up - replay) if self.parallel > 1 else ()
-            if helpers is None:
-                return Recovery(unrecoverable=f"strategy.parallel_recovery={self.parallel} needs "
-                                f"{(self.parallel - 1) * len(replay)} survivors outside the replay of "
-                                f"{len(replay)} workers, and only {len(up - replay)} are left; lower "
-                                "strategy.parallel_recovery")
+            helpers = ()
+            if self.parallel > 1:
+                helpers = self._helpers(plan, sorted(replay), lost | replay, alive)
+                if helpers is None:
+                    return Recovery(unrecoverable=f"strategy.parallel_recovery={self.parallel} needs "
+                                    f"{(self.parallel - 1) * len(replay)} survivors outside the replay of "
+                                    f"{len(replay)} workers, and too few are left; lower "
+                                    "strategy.parallel_recovery")
             actions.append(ReplayLogs(tuple(sorted(replay)), since, iteration, helpers))
         return Recovery(actions=actions, plan=plan, replace=(event.node,))
+
+    @staticmethod
+    def _workers_on(plan: Plan, node: int, cluster: Cluster) -> list[int]:
+        """The plan's workers on `node` (the placement is fixed: the node's worker ids)."""
+        return [w for w in cluster.workers_on(node) if plan.node_of.get(w) == node]
+
+    def _replicas_of(self, plan: Plan) -> dict[tuple, list[int]]:
+        """A replica's layers -> the workers holding them, in worker order (once per plan)."""
+        memo = getattr(self, "_replica_memo", None)
+        if memo is None or memo[0] is not plan:
+            out: dict[tuple, list[int]] = {}
+            for w in sorted(plan.holds):
+                for d, s in plan.holds[w]:
+                    out.setdefault(_layers(plan, d, s), []).append(w)
+            memo = self._replica_memo = (plan, out)
+        return memo[1]
+
+    def _copies(self, plan: Plan, targets: list[int], replay: set, replicas: dict, alive) -> tuple[Transfer, ...]:
+        """Each target's replicas from a live holder outside the failure and the replay, the
+        least loaded first, then the lowest id (as ftbench.transfers.peer_copies chooses)."""
+        sent: dict[int, float] = {}
+        out = []
+        for w in targets:
+            for d, s in plan.holds[w]:
+                key = _layers(plan, d, s)
+                sources = [v for v in replicas[key] if v not in replay and v not in targets and alive(plan.node_of[v])]
+                src = min(sources, key=lambda v: (sent.get(v, 0.0), v))
+                layers, embedding, head = key
+                nbytes = CHECKPOINT_BYTES_PER_PARAM * self.ctx.cost_model.stage(layers, embedding, head).params
+                sent[src] = sent.get(src, 0.0) + nbytes
+                out.append(Transfer(layers, embedding, head, src, w, nbytes))
+        return tuple(out)
 
     def _replay_set(self, plan: Plan, orphans: set[int]) -> set[int]:
         """The workers that replay: those whose state is lost with no live replica, closed
         over unlogged boundaries (their inputs were not logged: the neighbour replays too)
         and over gradient sums (every replica of a replayed stage replays with it)."""
-        where = {(d, s): w for w, held in plan.holds.items() for d, s in held}
-        by_stage: dict[int, list[int]] = {}
-        for (d, s), w in where.items():
-            by_stage.setdefault(s, []).append(w)
+        memo = getattr(self, "_where_memo", None)
+        if memo is None or memo[0] is not plan:
+            memo = self._where_memo = (plan, {(d, s): w for w, held in plan.holds.items() for d, s in held})
+        where, replicas = memo[1], self._replicas_of(plan)
         out, todo = set(), list(orphans)
         while todo:
             w = todo.pop()
@@ -190,24 +232,31 @@ class Swift(CheckpointRestart):
                 if s + 1 < plan.schedule.stages[d] and (d, s) not in plan.logged:
                     near.append((d, s + 1))
                 todo.extend(where[x] for x in near)
-                todo.extend(by_stage[s])
+                todo.extend(replicas[_layers(plan, d, s)])
         return out
 
-    def _helpers(self, plan: Plan, replay: list[int], survivors: set[int]) -> tuple | None:
+    def _helpers(self, plan: Plan, replay: list[int], excluded: set[int], alive) -> tuple | None:
         """Parallel recovery's groups: group 0 is the replaying workers, group k >= 1 gives
-        each of them a survivor outside the replay, a data-parallel peer of its stage first
-        (None: too few survivors)."""
-        stage_of = {w: plan.holds[w][0][1] for w in plan.holds}
-        free = sorted(survivors)
+        each of them a live worker outside the failure and the replay, a data-parallel peer
+        of its stage first (None: too few)."""
+        replicas = self._replicas_of(plan)
+        taken = set(excluded)
         groups = [tuple(replay)]
+        pool = None  # every other live worker, in id order, built only if peers run out
         for _ in range(self.parallel - 1):
             group = []
             for w in replay:
-                peers = [v for v in free if stage_of.get(v) == stage_of[w]] or free
-                if not peers:
-                    return None
-                group.append(peers[0])
-                free.remove(peers[0])
+                d, s = plan.holds[w][0]
+                peer = next((v for v in replicas[_layers(plan, d, s)] if v not in taken and alive(plan.node_of[v])),
+                            None)
+                if peer is None:
+                    if pool is None:
+                        pool = [v for v in sorted(plan.holds) if alive(plan.node_of[v])]
+                    peer = next((v for v in pool if v not in taken), None)
+                    if peer is None:
+                        return None
+                group.append(peer)
+                taken.add(peer)
             groups.append(tuple(group))
         return tuple(groups)
 
