@@ -1,28 +1,44 @@
-"""Simulator scale benchmark.
+"""Simulator scale benchmark: every strategy at 1,024 and 16,384 GPUs, whatever a failure takes down.
 
 `--scale 1024` (default): GPT-3 6.7B on 1,024 A100 80GB GPUs (pp 8 x dp 128, 64 micro-batches
 per pipeline) for 30 simulated days with Poisson node failures
-(conf/experiment/sim-6.7b-1024gpu.yaml). Target: well under 10 s wall per strategy.
+(conf/experiment/sim-6.7b-1024gpu.yaml). Target: under 10 s wall per strategy.
 
-`--scale 16k`: the same model on 16,384 GPUs (pp 8 x dp 2,048, 8 GPUs per node) for 54
-simulated days at the Llama 3 interruption rate, one per 3.09 h for the job
+`--scale 16k`: the same model on 16,384 GPUs (pp 8 x dp 2,048) for 54 simulated days at the
+Llama 3 interruption rate, one per 3.09 h for a job of 8-GPU nodes
 (conf/experiment/sim-6.7b-16k.yaml). Target: under 60 s wall per strategy.
 
-ReCycle starts with a cold plan cache (a fresh folder per run).
+`--gpus-per-node N` (default: the experiment's 8): with 1, a failure takes one GPU out of a
+pipeline, the case ReCycle and Oobleck are built for; the experiments' failure rates are per
+node, so such a job sees about 8 times the failures (about 3,000 at 16k), the same GPUs lost
+one at a time. Targets for every case: peak resident memory under 4 GB.
 
-Runs once per registered strategy (or those of `--strategies a,b`). `none` has no fault
-tolerance, so its run is cut at the first failure. Prints, per strategy: wall time, the part
-of it spent simulating plans (the memoised simulator, plan keys included) and in the
-strategy (its plans and recovery decisions, Varuna's candidate shapes included), distinct
-plans simulated, simulated iterations per wall second, and how far the run got.
+Each strategy runs in its own process (its peak resident memory is that process's), with a
+cold plan cache, and is stopped after `--limit-s` seconds (default 600): the row then says how
+far it got (the simulated days reached and the failures applied). Printed per strategy: wall
+time, peak resident memory, the part spent simulating plans (the memoised simulator, plan keys
+included) and in the strategy (its plans and recovery decisions), distinct plans simulated,
+iterations, simulated days, failures. `none` has no fault tolerance, so its run is cut at the
+first failure.
 
-    python benchmarks/sim_scale.py [--scale 1024|16k] [--strategies a,b] [extra Hydra overrides...]
+`--growth`: per strategy, wall time against the failures applied (`failures.count` 10, 100,
+374, at the chosen scale) and against GPUs (1,024, 4,096, 16,384: the 16k setup at dp 128, 512,
+2,048, 100 failures each).
+
+    python benchmarks/sim_scale.py [--scale 1024|16k] [--gpus-per-node N] [--strategies a,b]
+                                   [--limit-s 600] [--growth] [extra Hydra overrides...]
+
+Typical duration: about 2 min at 1,024 GPUs with 8 per node; at 16k or with 1 GPU per node the
+slowest strategies run to the limit (up to 10 min each).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 SCALES = {"1024": "sim-6.7b-1024gpu", "16k": "sim-6.7b-16k"}
+BENCH_FILE = "sim_scale.json"  # what a child adds to summary.json: its stopwatches
 
 
 class Stopwatch:
@@ -57,48 +74,122 @@ class Stopwatch:
         setattr(owner, name, timed)
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", choices=sorted(SCALES), default="1024")
-    parser.add_argument("--strategies", default=None, help="comma-separated (default: every registered one)")
-    args, extra = parser.parse_known_args(argv)
-
+def child(name: str, run_dir: Path, overrides: list[str]) -> None:
+    """One strategy's run in this process, into `run_dir` (summary.json, and the stopwatches in
+    BENCH_FILE, also when the parent stops it with SIGTERM)."""
     from ftbench.cli import compose
     from ftbench.run import execute
     from ftbench.sim.cache import SimCache
+    from ftbench.strategies import REGISTRY
+
+    simulating, deciding = Stopwatch(), Stopwatch()
+    simulating.wrap(SimCache, "__call__")
+    for method in ("plan", "on_event"):
+        deciding.wrap(REGISTRY[name], method)
+    cfg = compose(overrides + [f"strategy={name}"])
+    if "plan_cache" in cfg.strategy:  # a cold plan cache: every plan is made in this run
+        cfg = compose(overrides + [f"strategy={name}", f"strategy.plan_cache={run_dir}/plan-cache"])
+    try:
+        execute(cfg, run_dir, echo=lambda *_: None)
+    finally:
+        (run_dir / BENCH_FILE).write_text(json.dumps({"sim_s": simulating.seconds, "strategy_s": deciding.seconds}))
+
+
+def measure(name: str, overrides: list[str], limit_s: float) -> dict:
+    """Run one strategy in a child process; its summary with wall_s, rss_gb, sim_s,
+    strategy_s, and `stopped` when the limit cut it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        started = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, __file__, "--child", name, "--run-dir", str(run_dir), *overrides],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        stopped = False
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if not stopped and time.perf_counter() - started > limit_s:
+                proc.send_signal(signal.SIGTERM)  # the run keeps what it did (summary.json)
+                stopped = True
+            time.sleep(0.05)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - started
+        stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        try:
+            s = json.loads((run_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            s = {"status": "crashed", "error": stderr.strip().splitlines()[-1:] or "no summary", "iterations": 0,
+                 "time_s": 0.0, "failures": 0, "plans_simulated": 0}
+        try:
+            s.update(json.loads((run_dir / BENCH_FILE).read_text()))
+        except (OSError, ValueError):
+            s.update(sim_s=float("nan"), strategy_s=float("nan"))
+        s.update(wall_s=wall, rss_gb=usage.ru_maxrss * 1024 / 1e9, stopped=stopped)  # ru_maxrss: KiB on Linux
+        return s
+
+
+def row(name: str, s: dict) -> str:
+    status = f"stopped at {s['wall_s']:.0f} s" if s["stopped"] else s["status"]
+    return (f"{name:<16} {status:<18} {s['wall_s']:7.2f} {s['rss_gb']:6.2f} {s['sim_s']:7.2f} {s['strategy_s']:7.2f} "
+            f"{s.get('plans_simulated') or 0:>6} {s.get('iterations', 0):>11,} {s.get('time_s', 0.0) / 86400:9.2f} "
+            f"{s.get('failures', 0):>9}")
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Typical duration: about 2 min (1,024 GPUs, 8 per node); "
+                                            "up to --limit-s per strategy elsewhere.")
+    parser.add_argument("--scale", choices=sorted(SCALES), default="1024")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="cluster.gpus_per_node (default: 8)")
+    parser.add_argument("--strategies", default=None, help="comma-separated (default: every registered one)")
+    parser.add_argument("--limit-s", type=float, default=600.0, help="stop a strategy's run after this long")
+    parser.add_argument("--growth", action="store_true", help="wall time against failures and against GPUs")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    args, extra = parser.parse_known_args(argv)
+
+    if args.child:
+        child(args.child, args.run_dir, extra)
+        return
     from ftbench.strategies import REGISTRY
 
     names = args.strategies.split(",") if args.strategies else list(REGISTRY)
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         parser.error(f"unknown strategies {unknown}; registered: {', '.join(REGISTRY)}")
-    simulating, deciding = Stopwatch(), Stopwatch()
-    simulating.wrap(SimCache, "__call__")
-    for cls in {REGISTRY[n] for n in names}:
-        for method in ("plan", "on_event"):
-            deciding.wrap(cls, method)
-
     base = [f"experiment={SCALES[args.scale]}", "report.progress=false", "wandb.mode=disabled", *extra]
-    print(f"{'strategy':<16} {'status':<14} {'wall s':>7} {'sim s':>6} {'strat s':>7} {'plans':>6} "
-          f"{'iterations':>11} {'sim days':>9} {'iters/wall s':>13} {'failures':>9}")
-    s = None
+    if args.gpus_per_node is not None:
+        base.append(f"cluster.gpus_per_node={args.gpus_per_node}")
+    gpn = args.gpus_per_node or 8
+    print(f"{args.scale} GPUs, {gpn} per node, limit {args.limit_s:.0f} s per strategy", flush=True)
+    print(f"{'strategy':<16} {'status':<18} {'wall s':>7} {'RSS GB':>6} {'sim s':>7} {'strat s':>7} {'plans':>6} "
+          f"{'iterations':>11} {'sim days':>9} {'failures':>9}", flush=True)
+    last = None
     for name in names:
-        simulating.seconds = deciding.seconds = 0.0
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = compose(base + [f"strategy={name}"])
-            if "plan_cache" in cfg.strategy:  # a cold plan cache: every plan is made in this run
-                cfg = compose(base + [f"strategy={name}", f"strategy.plan_cache={tmp}/plan-cache"])
-            start = time.perf_counter()
-            s = execute(cfg, Path(tmp), echo=lambda *_: None)
-            wall = time.perf_counter() - start
-        print(f"{name:<16} {s['status']:<14} {wall:7.2f} {simulating.seconds:6.2f} {deciding.seconds:7.2f} "
-              f"{s['plans_simulated']:>6} {s['iterations']:>11,} {s['time_s'] / 86400:9.2f} "
-              f"{s['iterations'] / wall:13,.0f} {s['failures']:>9}", flush=True)
-    if s is not None and s.get("iteration_time_s") is not None:
-        workers = s["pp"] * s["dp"]
-        print(f"\nOne plan = one iteration of {workers:,} workers (identical pipelines simulated once); "
-              f"iteration time {s['iteration_time_s']:.3f} s, bubble {s['bubble_fraction']:.1%}. "
-              "sim s: simulating plans; strat s: the strategy's plans and decisions.")
+        last = measure(name, base, args.limit_s)
+        print(row(name, last), flush=True)
+    if last is not None and last.get("iteration_time_s") is not None:
+        print(f"\nOne plan = one iteration of {last['pp'] * last['dp']:,} workers (identical pipelines simulated "
+              f"once); iteration time {last['iteration_time_s']:.3f} s. sim s: simulating plans; strat s: the "
+              "strategy's plans and decisions; RSS: the run's process at its peak.")
+    if args.growth:
+        growth(names, base, args.limit_s)
+
+
+def growth(names: list[str], base: list[str], limit_s: float) -> None:
+    counts, dps = (10, 100, 374), (128, 512, 2048)
+    print("\nWall time (s) against failures applied (failures.count), and against GPUs (16k setup, 100 failures):")
+    print(f"{'strategy':<16} " + " ".join(f"{c:>8} f" for c in counts) + "   " +
+          " ".join(f"{8 * d:>7} GPUs" for d in dps), flush=True)
+    for name in names:
+        by_count = [measure(name, base + [f"failures.count={c}"], limit_s) for c in counts]
+        by_gpus = [measure(name, [f"experiment={SCALES['16k']}", "report.progress=false", "wandb.mode=disabled",
+                                  *[o for o in base[3:] if not o.startswith("cluster.dp=")],
+                                  f"cluster.dp={d}", "failures.count=100"], limit_s) for d in dps]
+        cell = lambda s: f"{s['wall_s']:8.2f}{'+' if s['stopped'] else ' '}"  # noqa: E731
+        print(f"{name:<16} " + " ".join(cell(s) + " " for s in by_count) + "   " +
+              " ".join(cell(s) + "     " for s in by_gpus), flush=True)
+    print("(+: stopped at the limit)")
 
 
 if __name__ == "__main__":

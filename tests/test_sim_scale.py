@@ -219,3 +219,25 @@ def test_grid_placed_on_workers_is_the_grid_moved_onto_them():
     assert list(direct.holds.items()) == list(moved.holds.items())
     assert list(direct.node_of.items()) == list(moved.node_of.items())
     assert list(direct.schedule.ops.of.items()) == list(moved.schedule.ops.of.items())
+
+
+def test_the_scale_benchmark_measures_each_strategy_in_its_own_process_and_stops_it_at_the_limit():
+    """benchmarks/sim_scale.py: a run's peak memory is its own process's; a run past the limit
+    is stopped with SIGTERM and still says how far it got (its summary survives)."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sim_scale
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    base = ["experiment=sim-6.7b-1024gpu", "report.progress=false", "wandb.mode=disabled"]
+    done = sim_scale.measure("checkpoint", base + ["train.max_hours=24"], limit_s=120)
+    assert done["status"] == "ok" and not done["stopped"] and done["iterations"] > 0
+    assert 0 < done["rss_gb"] < 4 and done["sim_s"] >= 0 and done["strategy_s"] >= 0
+    # ReCycle with one GPU per node plans ahead for minutes: stopped, its summary kept
+    cut = sim_scale.measure("recycle", base + ["cluster.gpus_per_node=1"], limit_s=8)
+    assert cut["stopped"] and cut["status"] == "error" and "SIGTERM" in cut["error"], cut.get("error")
+    assert "stopped at" in sim_scale.row("recycle", cut)
