@@ -33,7 +33,7 @@ from ftbench.dist.transport import (DistAbort, DistError, DistTimeout, DistTrans
 from ftbench.engine.boundary_log import LoggingTransport, ReplayTransport, logged_key
 from ftbench.engine.transport import ACT
 from ftbench.errors import ResultError
-from ftbench.engine.executor import WorkerExecutor, sync_members
+from ftbench.engine.executor import WorkerExecutor, in_chunk, sum_chunks, sync_members, take_grads
 from ftbench.engine.worker import StageReplica, Worker
 from ftbench.layers import GradientSync, fragment_layout, model_layers, stage_units
 from ftbench.models.data import batch
@@ -428,22 +428,13 @@ class DistEngine:
         else:
             counts = plan.schedule.microbatches
             params = [p for r in self.worker.replicas.values() for p in r.module.parameters()]
-            parts = []  # per chunk, per parameter: its gradient over the chunk's micro-batches
+            parts = []  # per share, per parameter: its gradient over the share's micro-batches
             for k in range(chunks):
                 for step in steps:
-                    op, n = step[1], counts[step[1].pipeline] if step[0] == "op" else 0
-                    if step[0] == "op" and op.kind != OPT and k * n // chunks <= op.microbatch < (k + 1) * n // chunks:
+                    if step[0] == "op" and in_chunk(step[1], k, chunks, counts):
                         run(step)
-                parts.append([p.grad for p in params])
-                for p in params:
-                    p.grad = None
-            for i, p in enumerate(params):  # summed in chunk order, as Executor.replay does
-                present = [part[i] for part in parts if part[i] is not None]
-                if present:
-                    total = present[0].clone()
-                    for g in present[1:]:
-                        total.add_(g)
-                    p.grad = total
+                parts.append(take_grads(params))
+            sum_chunks(params, parts)  # in share order, as Executor.replay does
             for step in steps:
                 if step[0] == "start" or step[1].kind == OPT:
                     run(step)

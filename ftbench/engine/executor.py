@@ -306,19 +306,10 @@ class Executor:
         parts = []  # per chunk, per parameter: its gradient over the chunk's micro-batches
         for k in range(chunks):
             for node in mine:
-                if not isinstance(node, GradientSync) and node.kind != OPT and \
-                        k * counts[node.pipeline] // chunks <= node.microbatch < (k + 1) * counts[node.pipeline] // chunks:
+                if not isinstance(node, GradientSync) and in_chunk(node, k, chunks, counts):
                     run(node)
-            parts.append([p.grad for p in params])
-            for p in params:
-                p.grad = None
-        for i, p in enumerate(params):
-            present = [part[i] for part in parts if part[i] is not None]
-            if present:
-                total = present[0].clone()
-                for g in present[1:]:
-                    total.add_(g)
-                p.grad = total
+            parts.append(take_grads(params))
+        sum_chunks(params, parts)
         for node in mine:
             if isinstance(node, GradientSync) or node.kind == OPT:
                 run(node)
@@ -356,6 +347,33 @@ class Executor:
         if completed is not None:
             return IterationResult(float("nan"), ran, False)
         return IterationResult(float(loss), ran, True)
+
+
+def in_chunk(op: Op, k: int, chunks: int, counts) -> bool:
+    """Parallel recovery: whether `op` (not a step) works on the k-th of `chunks` contiguous
+    shares of its pipeline's micro-batches (`counts` per pipeline)."""
+    n = counts[op.pipeline]
+    return op.kind != OPT and k * n // chunks <= op.microbatch < (k + 1) * n // chunks
+
+
+def take_grads(params) -> list:
+    """The parameters' gradients, leaving them empty for the next share's accumulation."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def sum_chunks(params, parts: list[list]) -> None:
+    """Each parameter's gradient: the shares' gradients summed in share order (a fixed order,
+    so every backend that splits a replay gets the same bits)."""
+    for i, p in enumerate(params):
+        present = [part[i] for part in parts if part[i] is not None]
+        if present:
+            total = present[0].clone()
+            for g in present[1:]:
+                total.add_(g)
+            p.grad = total
 
 
 def _check_closed(plan, deps: dict, completed) -> None:
