@@ -11,12 +11,17 @@ would have to all-reduce its gradient. Here each weight belongs to exactly one s
 from __future__ import annotations
 
 import copy
+import inspect
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.masking_utils import create_causal_mask
+
+# transformers 5 names create_causal_mask's cache argument `cache` (the old `past_key_values`
+# is deprecated and goes in 5.40); older releases know only the old name.
+_CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 from ftbench.models.specs import ModelSpec
 
@@ -102,8 +107,8 @@ class Stage(nn.Module):
         # Every stage rebuilds the mask from its input exactly as GPT2Model does from
         # inputs_embeds (only shape, dtype and device matter; no padding mask, no cache).
         causal_mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None,
-            past_key_values=None, position_ids=position_ids,
+            config=self.config, inputs_embeds=hidden, attention_mask=None, position_ids=position_ids,
+            **{_CACHE_ARG: None},
         )
         for block in self.h.values():
             hidden = block(hidden, None, causal_mask, None, encoder_attention_mask=None,
