@@ -196,7 +196,16 @@ def main() -> None:
         except Exception as err:  # noqa: BLE001 - Hydra raises several kinds for a bad command line
             sys.exit(explain_composition_error(err, overrides, CONF_DIR))
     sys.argv[1:] = [*flags, *default_job_rule(overrides)]
-    _hydra_main()
+    try:
+        _hydra_main()
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (run.Terminated): one line, not a traceback
+        from ftbench.run import Terminated
+
+        what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted (Ctrl-C)"
+        folder = getattr(err, "run_dir", None)
+        kept = f"; {folder} keeps what was done (summary.json, metrics.jsonl)" if folder else ""
+        print(f"\nftbench: {what}{kept}", file=sys.stderr)
+        sys.exit(143 if isinstance(err, Terminated) else 130)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

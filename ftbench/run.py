@@ -116,6 +116,7 @@ def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, met
         metrics.log({"event": "error", "status": "error", "error": summary["error"],
                      "iterations": summary["iterations"]})
         _finish(run_dir, summary, started, sink)
+        err.run_dir = str(run_dir)  # for the CLI's one-line report
         raise
     _finish(run_dir, summary, started, sink)
 

@@ -161,11 +161,14 @@ def test_sigterm_is_handled_like_ctrl_c_and_keeps_what_was_done(tmp_path):
                 break
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    # one line on the console, not a traceback; the conventional exit status of SIGTERM
+    assert proc.returncode == 143 and "Traceback" not in err, err
+    assert f"ftbench: terminated (SIGTERM); {tmp_path}/run keeps what was done" in err
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "error" and "SIGTERM" in summary["error"]
     assert summary["iterations"] >= 3 and summary["samples"] == summary["iterations"] * summary["global_batch"]
