@@ -295,7 +295,11 @@ def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: s
         state = engine.final_state()
         result["final_state"] = str(save_pretrained(state, ctx.spec, run_dir / "final_model"))
         if cfg.report.check_fault_free and strategy.name != "none":
-            ref_losses, ref_state = fault_free_reference(cfg, ctx, progress=cfg.report.progress)
+            try:
+                ref_losses, ref_state = fault_free_reference(cfg, ctx, progress=cfg.report.progress)
+            except BaseException as err:  # Ctrl-C during the check: the summary is the run's, not the check's
+                err.outcome = outcome
+                raise
             difference = compare(outcome.losses, state, ref_losses, ref_state)
             result["matches_fault_free"] = difference is None
             result["fault_free_difference"] = difference

@@ -174,3 +174,22 @@ def test_sigterm_is_handled_like_ctrl_c_and_keeps_what_was_done(tmp_path):
     assert summary["iterations"] >= 3 and summary["samples"] == summary["iterations"] * summary["global_batch"]
     assert all(isinstance(x, float) for x in summary["losses"][:3])
     assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "error"
+
+
+def test_ctrl_c_during_the_fault_free_check_keeps_the_runs_summary(tmp_path, monkeypatch):
+    """Interrupted while the run checks itself against fault-free training (after its own
+    training loop), the summary holds the run's iterations and failures, not the check's."""
+    import ftbench.run as run_module
+    from conftest import LOCAL, compose
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "fault_free_reference", interrupted)
+    cfg = compose("report.progress=false", *LOCAL, "report.check_fault_free=true", "strategy=checkpoint",
+                  "failures=scripted", "failures.events=[{iteration:3,node:5}]")
+    with pytest.raises(KeyboardInterrupt):
+        run_module.execute(cfg, tmp_path, echo=lambda *_: None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "error" and summary["error"] == "interrupted"
+    assert summary["iterations"] == 10 and summary["failures"] == 1
