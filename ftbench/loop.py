@@ -419,7 +419,7 @@ class RunLoop:
             self.kept.add(self.it, n, T)  # the checkpoint stalls in t_end are not productive
             self.it, self.t = self.it + n, t_end
             if self.progress is not None:
-                self.progress(self.it)
+                self.progress(self.it, self.now())
             return
         for _ in range(n):
             started = time.perf_counter()
@@ -440,7 +440,7 @@ class RunLoop:
             if not self.modelled and self.ckpt.needs_measure(self.plan):
                 self.ckpt.use(self.plan, measured)
             if self.progress is not None:
-                self.progress(self.it)
+                self.progress(self.it, self.now())
             if self.ckpt.due(self.it):
                 try:
                     self._save(self.it)

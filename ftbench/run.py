@@ -379,20 +379,28 @@ def _gantt_labels(result) -> dict[int, str]:
 
 
 class _progress:
-    """tqdm over iterations when stderr is a terminal; a no-op callable otherwise."""
+    """tqdm when stderr is a terminal, a no-op callable otherwise: over iterations, or, for a
+    run capped by train.max_hours, over its (simulated or wall) hours, so that a run that ends
+    at its cap shows 100 %."""
 
     def __init__(self, ctx, enabled: bool, desc: str):
         self.ctx, self.enabled, self.desc, self.bar = ctx, enabled, desc, None
+        self.hours = ctx.max_hours is not None
 
     def __enter__(self):
         if self.enabled:
             from tqdm import tqdm
-            self.bar = tqdm(total=self.ctx.iterations, unit="it", desc=self.desc, disable=None, leave=True)
+            if self.hours:
+                self.bar = tqdm(total=float(self.ctx.max_hours), unit="h", desc=self.desc, disable=None, leave=True,
+                                bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} h [{elapsed}<{remaining}]")
+            else:
+                self.bar = tqdm(total=self.ctx.iterations, unit="it", desc=self.desc, disable=None, leave=True)
         return self
 
-    def __call__(self, iteration: int) -> None:
+    def __call__(self, iteration: int, time_s: float = 0.0) -> None:
         if self.bar is not None:
-            self.bar.update(iteration - self.bar.n)
+            done = min(time_s / 3600.0, self.bar.total) if self.hours else iteration
+            self.bar.update(done - self.bar.n)
 
     def __exit__(self, *exc):
         if self.bar is not None:

@@ -193,3 +193,37 @@ def test_ctrl_c_during_the_fault_free_check_keeps_the_runs_summary(tmp_path, mon
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "error" and summary["error"] == "interrupted"
     assert summary["iterations"] == 10 and summary["failures"] == 1
+
+
+def test_a_time_capped_run_shows_progress_in_hours(monkeypatch):
+    """The progress bar of a run capped by train.max_hours counts hours (a run that ends at
+    its cap shows 100 %), others count iterations."""
+    import tqdm
+
+    from ftbench.context import RunContext
+    from ftbench.run import _progress
+    from conftest import compose
+
+    bars = []
+
+    class Fake:
+        def __init__(self, total, unit, **kwargs):
+            self.total, self.unit, self.n = total, unit, 0
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm, "tqdm", Fake)
+    capped = RunContext.from_config(compose("backend=sim", "train.max_hours=2", "train.iterations=1000000000"))
+    with _progress(capped, True, "simulating") as progress:
+        progress(500, 1800.0)
+        progress(100000, 7200.0)
+    assert (bars[0].unit, bars[0].total, bars[0].n) == ("h", 2.0, 2.0)
+    plain = RunContext.from_config(compose("backend=sim", "train.iterations=20"))
+    with _progress(plain, True, "simulating") as progress:
+        progress(20, 99.0)
+    assert (bars[1].unit, bars[1].total, bars[1].n) == ("it", 20, 20)
