@@ -615,8 +615,8 @@ def kahn_order(preds: list[list[int]], chains: list[list[int]]) -> list[int]:
     for i, ins in enumerate(preds):
         for j in ins:
             dependents[j].append(i)
-    for chain in chains:
-        for a, b in zip(chain, chain[1:]):
+    for run in chains:
+        for a, b in zip(run, run[1:]):
             waiting[b] += 1
             dependents[a].append(b)
     ready = deque(i for i in range(n) if waiting[i] == 0)

@@ -19,11 +19,11 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.masking_utils import create_causal_mask
 
+from ftbench.models.specs import ModelSpec
+
 # transformers 5 names create_causal_mask's cache argument `cache` (the old `past_key_values`
 # is deprecated and goes in 5.40); older releases know only the old name.
 _CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
-
-from ftbench.models.specs import ModelSpec
 
 # Eager attention: plain matmul + softmax, deterministic on CPU and GPU (SDPA's fused
 # kernels may pick different algorithms per device and are not always deterministic).

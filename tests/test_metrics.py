@@ -510,9 +510,9 @@ def test_offline_sim_run_charts_against_simulated_time_and_logs_the_gantt(offlin
     assert metrics["iteration_time_s"].step_metric == "time_s" and metrics["recovery/*"].step_metric == "time_s"
     segments = [row for row in rows if "iteration_time_s" in row]
     assert [(r["first"], r["last"], r["time_s"]) for r in segments] == [
-        (l["first"], l["last"], l["time_s"]) for l in lines if l["event"] == "iterations"]
+        (r["first"], r["last"], r["time_s"]) for r in lines if r["event"] == "iterations"]
     recovery = next(row for row in rows if "recovery/recovery_s" in row)
-    line = next(l for l in lines if l["event"] == "recovery")
+    line = next(r for r in lines if r["event"] == "recovery")
     assert recovery["time_s"] == line["time_s"] and recovery["recovery/iteration"] == line["iteration"]
     assert rows[-1]["gantt/_type"] == "image-file"
 

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from conftest import LOCAL, compose, run
+from conftest import compose, run
 from ftbench.context import RunContext
 from ftbench.errors import ConfigError
 from ftbench.planning.heuristic import list_schedule_timed

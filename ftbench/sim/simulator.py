@@ -36,7 +36,7 @@ from collections.abc import Mapping
 
 from ftbench.layers import Layout, fragment_layout, stage_layout
 from ftbench.sim.parts import PartCopy, bound_copies, part_copies
-from ftbench.schedule import (B, BW, F, OP_KINDS, OPT, W, GradientSync, GridOps, Op, PartFlows, Schedule, dependency_graph,
+from ftbench.schedule import (B, OP_KINDS, OPT, GradientSync, GridOps, Op, PartFlows, Schedule, dependency_graph,
                               identity, indexed_graph, kahn_order, read_ops, sync_inputs, topological_order)
 
 
