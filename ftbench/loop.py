@@ -35,6 +35,9 @@ from ftbench.schedule import OPT
 from ftbench.sim.simulator import SimResult, ops_completed_at
 
 CLOCKS = ("model", "wall")  # backend.clock
+# A recovery's record lists at most this many of its state copies (with their count and bytes):
+# a reshape of 16,384 workers copies thousands, after each of thousands of failures.
+COPIES_LISTED = 64
 
 
 class Backend(Protocol):
@@ -624,9 +627,11 @@ class RunLoop:
                   "restored_iteration": restored, "actions": [type(a).__name__ for a in actions],
                   "plan": new.name, "shape": new.shape}
         copies = [c for a in actions for c in getattr(a, "copies", ())]
-        if copies:  # what moved between workers: layers, from, to, bytes
+        if copies:  # what moved between workers: layers, from, to, bytes (the first COPIES_LISTED of them)
             record["copies"] = [{"layers": list(c.layers), "embedding": c.embedding, "head": c.head, "src": c.src,
-                                 "dst": c.dst, "bytes": c.nbytes} for c in copies]
+                                 "dst": c.dst, "bytes": c.nbytes} for c in copies[:COPIES_LISTED]]
+            record["copies_total"] = len(copies)
+            record["copied_bytes"] = math.fsum(c.nbytes for c in copies)
         if interrupted is not None:  # completed without them; they fail next
             record["interrupted_by_nodes"] = interrupted.nodes
         out.recoveries.append(record)

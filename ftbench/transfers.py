@@ -4,6 +4,7 @@ did. Sources are spread: each copy takes the holder that sends the fewest bytes 
 independent copies run in parallel over different links."""
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 
 from ftbench.actions import Transfer
@@ -32,20 +33,44 @@ def peer_copies(old: Plan, new: Plan, alive, cost_model, kept=None) -> tuple[Tra
             for key in replicas:
                 holders[key].append(w)
     sent = defaultdict(float)
+    least = _LeastSent(holders, sent)
     copies = []
     for w in sorted(after):
         for key, (d, s) in sorted(after[w].items()):
             if key in before.get(w, {}) and alive(w) and kept(w):
                 continue
-            sources = holders.get(key)
-            if not sources:
+            if not holders.get(key):
                 continue  # no live holder: a restore from checkpoint must provide it
-            src = min(sources, key=lambda v: (sent[v], v))
+            src = least.pick(key)
             layers, embedding, head = key
             nbytes = CHECKPOINT_BYTES_PER_PARAM * cost_model.stage(layers, embedding, head).params
             sent[src] += nbytes
             copies.append(Transfer(layers, embedding, head, src, w, nbytes))
     return tuple(copies)
+
+
+class _LeastSent:
+    """The holder of a key that has sent the fewest bytes so far, the lowest id among equals:
+    min(holders[key], key=lambda v: (sent[v], v)), from a heap per key instead of a scan (a
+    reshape of 16,384 workers copies thousands of replicas, each with thousands of holders).
+    Entries go stale as `sent` grows; a stale entry at the top is pushed back with its current
+    count, so the top whose count is current is the minimum: a stale entry's count is never
+    above its holder's current one."""
+
+    def __init__(self, holders: dict, sent: dict):
+        self.holders, self.sent, self.heaps = holders, sent, {}
+
+    def pick(self, key) -> int:
+        heap = self.heaps.get(key)
+        if heap is None:
+            heap = self.heaps[key] = [(self.sent[v], v) for v in self.holders[key]]
+            heapq.heapify(heap)
+        while True:
+            count, v = heap[0]
+            now = self.sent[v]
+            if count == now:
+                return v
+            heapq.heapreplace(heap, (now, v))
 
 
 def layer_copies(old: Plan, new: Plan, alive, cost_model) -> tuple[tuple[Transfer, ...], list[tuple[int, int]]]:

@@ -88,3 +88,47 @@ def test_independent_copies_overlap_and_shared_links_add_up():
         restore + transfer_seconds(copies, plan.node_of.__getitem__, ctx.cost_model))
     assert action_seconds(SyncFromPeers(copies), plan, plan, ctx.cost_model) == pytest.approx(
         transfer_seconds(copies, plan.node_of.__getitem__, ctx.cost_model))
+
+
+def test_copies_spread_over_holders_as_the_plain_scan_would():
+    """peer_copies picks each copy's source from a heap per layer range; on random reshapes
+    it picks exactly what a scan for the least-sent holder (lowest id among equals) picks."""
+    import random
+    from collections import defaultdict
+
+    from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM
+    from ftbench.transfers import _replicas
+
+    def scanned(old, new, alive, cost_model):
+        before, after = _replicas(old), _replicas(new)
+        holders = defaultdict(list)
+        for w, replicas in before.items():
+            if alive(w):
+                for key in replicas:
+                    holders[key].append(w)
+        sent, out = defaultdict(float), []
+        for w in sorted(after):
+            for key, _ in sorted(after[w].items()):
+                if (key in before.get(w, {}) and alive(w)) or not holders.get(key):
+                    continue
+                src = min(holders[key], key=lambda v: (sent[v], v))
+                nbytes = CHECKPOINT_BYTES_PER_PARAM * cost_model.stage(*key).params
+                sent[src] += nbytes
+                out.append(Transfer(*key, src, w, nbytes))
+        return tuple(out)
+
+    ctx = RunContext.from_config(compose(*LOCAL))
+    rng = random.Random("peer-copies")
+    total = 0
+    for _ in range(30):
+        pp, dp = rng.choice((2, 4)), rng.randint(2, 6)
+        old = ctx.grid_plan(pp, dp)
+        dead = set(rng.sample(range(pp * dp), rng.randint(1, pp)))
+        survivors = [w for w in range(pp * dp + 4) if w not in dead]
+        rng.shuffle(survivors)
+        new = ctx.grid_plan(pp, dp - 1).on_workers(survivors, lambda w: w)
+        alive = lambda w: w not in dead  # noqa: E731
+        copies = peer_copies(old, new, alive, ctx.cost_model)
+        assert copies == scanned(old, new, alive, ctx.cost_model)
+        total += len(copies)
+    assert total > 100  # sources chosen among several holders, again and again
