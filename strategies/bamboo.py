@@ -37,7 +37,7 @@ from ftbench.actions import Rendezvous, SyncFromPeers
 from ftbench.errors import ConfigError, TooFewNodes
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
-from ftbench.schedule import B, BW, NO_MICROBATCH, OPT, RF, RSYNC, Op, Schedule, generate, grid_worker, read_ops
+from ftbench.schedule import B, BW, NO_MICROBATCH, RF, RSYNC, Op, Schedule, generate, grid_worker, read_ops
 from ftbench.strategies.base import Recovery
 from ftbench.transfers import peer_copies
 

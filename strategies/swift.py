@@ -102,9 +102,9 @@ class Swift(CheckpointRestart):
         edges = [s for s in range(pp - 1) if group[s] != group[s + 1]]
         if not edges and self._needs_logging(plan):
             setting = "strategy.log_budget_gb" if machine[-1] > 0 else "cluster.gpus_per_node"
-            raise ConfigError(setting, f"swift cannot log this plan: every stage of a pipeline is in one logging "
-                              f"group, and a stage has no replica on another node, so a failure would replay the "
-                              f"whole pipeline (checkpoint restart)",
+            raise ConfigError(setting, "swift cannot log this plan: every stage of a pipeline is in one logging "
+                              "group, and a stage has no replica on another node, so a failure would replay the "
+                              "whole pipeline (checkpoint restart)",
                               "spread a pipeline over several nodes (cluster.gpus_per_node < cluster.pp) or raise "
                               "strategy.log_budget_gb" if setting.startswith("strategy") else
                               "spread a pipeline over several nodes: cluster.gpus_per_node < cluster.pp")
