@@ -13,7 +13,7 @@ pipeline, the case ReCycle and Oobleck are built for; the experiments' failure r
 node, so such a job sees about 8 times the failures (about 3,000 at 16k), the same GPUs lost
 one at a time. Targets for every case: peak resident memory under 4 GB.
 
-Each strategy runs in its own process (its peak resident memory is that process's), with a
+Each strategy runs in its own process (its peak resident memory is that process's, VmHWM), with a
 cold plan cache, and is stopped after `--limit-s` seconds (default 600): the row then says how
 far it got (the simulated days reached and the failures applied). Printed per strategy: wall
 time, peak resident memory, the part spent simulating plans (the memoised simulator, plan keys
@@ -92,7 +92,22 @@ def child(name: str, run_dir: Path, overrides: list[str]) -> None:
     try:
         execute(cfg, run_dir, echo=lambda *_: None)
     finally:
-        (run_dir / BENCH_FILE).write_text(json.dumps({"sim_s": simulating.seconds, "strategy_s": deciding.seconds}))
+        (run_dir / BENCH_FILE).write_text(json.dumps({"sim_s": simulating.seconds, "strategy_s": deciding.seconds,
+                                                      "rss_gb": peak_rss_gb()}))
+
+
+def peak_rss_gb() -> float | None:
+    """This process's peak resident memory since it started (VmHWM: reset by exec, unlike
+    getrusage's ru_maxrss, which keeps the high-water mark of the process that forked it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e9  # kB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # elsewhere: KiB on Linux
 
 
 def measure(name: str, overrides: list[str], limit_s: float) -> dict:
@@ -120,11 +135,14 @@ def measure(name: str, overrides: list[str], limit_s: float) -> dict:
         except (OSError, ValueError):
             s = {"status": "crashed", "error": stderr.strip().splitlines()[-1:] or "no summary", "iterations": 0,
                  "time_s": 0.0, "failures": 0, "plans_simulated": 0}
+        s.update(sim_s=float("nan"), strategy_s=float("nan"), rss_gb=None)
         try:
             s.update(json.loads((run_dir / BENCH_FILE).read_text()))
         except (OSError, ValueError):
-            s.update(sim_s=float("nan"), strategy_s=float("nan"))
-        s.update(wall_s=wall, rss_gb=usage.ru_maxrss * 1024 / 1e9, stopped=stopped)  # ru_maxrss: KiB on Linux
+            pass
+        if s["rss_gb"] is None:  # the child wrote nothing: the kernel's figure (may include its parent's)
+            s["rss_gb"] = usage.ru_maxrss * 1024 / 1e9
+        s.update(wall_s=wall, stopped=stopped)
         return s
 
 
