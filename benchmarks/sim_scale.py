@@ -126,6 +126,8 @@ def measure(name: str, overrides: list[str], limit_s: float) -> dict:
             if not stopped and time.perf_counter() - started > limit_s:
                 proc.send_signal(signal.SIGTERM)  # the run keeps what it did (summary.json)
                 stopped = True
+            elif stopped and time.perf_counter() - started > limit_s + 60:
+                proc.kill()  # it did not stop within a minute of SIGTERM: no process is left behind
             time.sleep(0.05)
         proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - started

@@ -9,12 +9,8 @@ import pytest
 
 from conftest import run
 from test_dist import _assert_equal_training
+from test_dist import pytestmark  # noqa: F401 - the dist tests' marks: skipped without gloo
 from test_dist_failures import run_dist
-
-dist = pytest.importorskip("torch.distributed")
-pytestmark = [pytest.mark.dist,
-              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                 reason="torch.distributed with gloo is not available")]
 
 # gpt-tiny, 4 micro-batches per pipeline, a checkpoint every 2 iterations, one standby node
 # (on dist a replacement is a standby's processes).
