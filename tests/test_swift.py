@@ -347,3 +347,12 @@ def test_logging_stalls_training_only_where_storage_cannot_keep_up(tmp_path):
     slow = run(tmp_path / "slow", *setup, "strategy=swift", "hardware.storage_gbps=0.01")
     assert swift["iteration_time_s"] == plain["iteration_time_s"]
     assert slow["iteration_time_s"] > swift["iteration_time_s"]
+
+
+def test_swifts_own_setup_runs_as_the_docs_give_it(tmp_path):
+    """`ftbench +experiment=swift-eval` (README, docs/swift.md): one machine of 8 GPUs killed at
+    iteration 150, its 8 stages replayed from the checkpoint of iteration 100."""
+    s = run(tmp_path, "+experiment=swift-eval")
+    assert s["status"] == "ok" and s["failures"] == 1, s["error"]
+    (rec,) = s["recoveries"]
+    assert rec["actions"][-1] == "ReplayLogs" and rec["lost_iterations"] == 0 and rec["iteration"] == 150
