@@ -82,8 +82,18 @@ def child(name: str, run_dir: Path, overrides: list[str]) -> None:
     from ftbench.sim.cache import SimCache
     from ftbench.strategies import REGISTRY
 
+    from ftbench.sim import cache
+
     simulating, deciding = Stopwatch(), Stopwatch()
     simulating.wrap(SimCache, "__call__")
+    simulations = [0]  # plans simulated, also for a run stopped before its summary counts them
+    simulate = cache.simulate
+
+    def counted(*args, **kwargs):
+        simulations[0] += 1
+        return simulate(*args, **kwargs)
+
+    cache.simulate = counted
     for method in ("plan", "on_event"):
         deciding.wrap(REGISTRY[name], method)
     cfg = compose(overrides + [f"strategy={name}"])
@@ -93,7 +103,7 @@ def child(name: str, run_dir: Path, overrides: list[str]) -> None:
         execute(cfg, run_dir, echo=lambda *_: None)
     finally:
         (run_dir / BENCH_FILE).write_text(json.dumps({"sim_s": simulating.seconds, "strategy_s": deciding.seconds,
-                                                      "rss_gb": peak_rss_gb()}))
+                                                      "rss_gb": peak_rss_gb(), "simulations": simulations[0]}))
 
 
 def peak_rss_gb() -> float | None:
@@ -151,7 +161,7 @@ def measure(name: str, overrides: list[str], limit_s: float) -> dict:
 def row(name: str, s: dict) -> str:
     status = f"stopped at {s['wall_s']:.0f} s" if s["stopped"] else s["status"]
     return (f"{name:<16} {status:<18} {s['wall_s']:7.2f} {s['rss_gb']:6.2f} {s['sim_s']:7.2f} {s['strategy_s']:7.2f} "
-            f"{s.get('plans_simulated') or 0:>6} {s.get('iterations', 0):>11,} {s.get('time_s', 0.0) / 86400:9.2f} "
+            f"{s.get('plans_simulated') or s.get('simulations', 0):>6} {s.get('iterations', 0):>11,} {s.get('time_s', 0.0) / 86400:9.2f} "
             f"{s.get('failures', 0):>9}")
 
 

@@ -85,14 +85,24 @@ def _schedule_shape(problem: PlanningProblem, shape, priority: dict[str, int]):
     found = _SHAPE_PLANS.get(key)
     if found is None:
         found = _schedule_part(shape, priority)
-        if len(_SHAPE_PLANS) >= SHAPE_PLANS_KEPT:
-            _SHAPE_PLANS.pop(next(iter(_SHAPE_PLANS)))  # the oldest
         _SHAPE_PLANS[key] = found
+        global _shape_ops_kept
+        _shape_ops_kept += _ops_in(found)
+        while (len(_SHAPE_PLANS) > SHAPE_PLANS_KEPT or _shape_ops_kept > SHAPE_OPS_KEPT) and len(_SHAPE_PLANS) > 1:
+            _shape_ops_kept -= _ops_in(_SHAPE_PLANS.pop(next(iter(_SHAPE_PLANS))))  # the oldest
     return found
 
 
+def _ops_in(found) -> int:
+    return sum(map(len, found[0].values()))
+
+
+# Shapes remembered: at most this many, holding at most this many ops in all (with one GPU
+# per node a part of a large grid spans dozens of pipelines, a hundred thousand ops).
 SHAPE_PLANS_KEPT = 512
+SHAPE_OPS_KEPT = 2_000_000
 _SHAPE_PLANS: dict[tuple, tuple] = {}
+_shape_ops_kept = 0
 
 
 def copy_shaped(shaped) -> dict[Position, list[Op]]:
@@ -105,94 +115,114 @@ def copy_shaped(shaped) -> dict[Position, list[Op]]:
 
 
 def _schedule_part(problem, priority: dict[str, int]):
-    """List-schedule one part: (orders, latest weight gradient per stage, when each worker is free)."""
-    runner = {}
-    chains: dict[Position, dict[tuple, deque]] = {}
-    for pos in problem.workers:
+    """List-schedule one part: (orders, latest weight gradient per stage, when each worker is free).
+
+    Ops are numbered and their inputs, durations and transfer times looked up once, so the
+    event loop touches only lists (a part of a large grid with one GPU per node has a hundred
+    thousand ops)."""
+    workers = problem.workers
+    index = {pos: i for i, pos in enumerate(workers)}
+    ops: list[Op] = []
+    runner: list[int] = []
+    chains: list[list[deque]] = []  # per worker: (kind, owner pipeline) chains in micro-batch order
+    for w, pos in enumerate(workers):
         heads = defaultdict(deque)
         for op in sorted(problem.ops_of(pos), key=lambda o: o.microbatch):
-            heads[(op.kind, op.pipeline)].append(op)
-            runner[op] = pos
-        chains[pos] = heads
-    deps = {op: problem.dependencies(op) for op in runner}
-    dependents = defaultdict(list)
-    waiting = {}
-    for op, ds in deps.items():
-        waiting[op] = len(ds)
-        for d in ds:
-            dependents[d].append(op)
-    ready_at = {op: 0.0 for op, n in waiting.items() if n == 0}
-    end: dict[Op, float] = {}
-    free = {pos: 0.0 for pos in problem.workers}
-    stash = {pos: 0 for pos in problem.workers}  # between F and B/BW
-    deferred = {pos: 0 for pos in problem.workers}  # between B and W
-    cap = {pos: problem.stash_cap(pos) for pos in problem.workers}
-    defer = {pos: problem.defer_cap(pos) for pos in problem.workers}
-    orders: dict[Position, list[Op]] = {pos: [] for pos in problem.workers}
-    version = {pos: 0 for pos in problem.workers}
-
-    def choose(pos):
-        """(start, rank, op) of the op this worker would run next, or None."""
-        best = None
-        for chain in chains[pos].values():
-            if not chain:
-                continue
-            op = chain[0]
-            if op not in ready_at or (op.kind == F and stash[pos] >= cap[pos]) \
-                    or (op.kind == B and deferred[pos] >= defer[pos]):
-                continue
-            start = max(free[pos], ready_at[op])
-            key = (start, priority[op.kind], ready_at[op], op.microbatch, op.pipeline)
-            if best is None or key < best[0]:
-                best = (key, op)
-        return best
-
+            heads[(op.kind, op.pipeline)].append(len(ops))
+            ops.append(op)
+            runner.append(w)
+        chains.append(list(heads.values()))
+    number = {op: i for i, op in enumerate(ops)}
+    durations = {}
+    duration = [durations.get(op[:2]) or durations.setdefault(op[:2], problem.duration(op)) for op in ops]
+    kind_of = [op.kind for op in ops]
+    rank = [priority[k] for k in kind_of]
+    inputs: list[list[tuple[int, float]]] = []  # per op, (input op, transfer time to this op's worker)
+    dependents: list[list[int]] = [[] for _ in ops]
+    transfer: dict[tuple[int, int], float] = {}
+    for i, op in enumerate(ops):
+        here, mine = runner[i], []
+        for dep in problem.dependencies(op):
+            j = number[dep]
+            there = runner[j]
+            t = transfer.get((there, here))
+            if t is None:
+                t = transfer[(there, here)] = problem.transfer_s(workers[there], workers[here])
+            mine.append((j, t))
+            dependents[j].append(i)
+        inputs.append(mine)
+    waiting = [len(x) for x in inputs]
+    ready_at: list[float | None] = [0.0 if n == 0 else None for n in waiting]
+    end = [0.0] * len(ops)
+    n = len(workers)
+    free = [0.0] * n
+    stash = [0] * n  # between F and B/BW
+    deferred = [0] * n  # between B and W
+    cap = [problem.stash_cap(pos) for pos in workers]
+    defer = [problem.defer_cap(pos) for pos in workers]
+    orders: list[list[Op]] = [[] for _ in workers]
+    version = [0] * n
     heap = []
 
-    def push(pos):
-        version[pos] += 1
-        chosen = choose(pos)
-        if chosen is not None:
-            heapq.heappush(heap, (chosen[0], version[pos], pos, chosen[1]))
+    def push(w):
+        """Enter the op this worker would run next (start, rank, arrival, micro-batch, pipeline)."""
+        version[w] += 1
+        best, chosen = None, None
+        at, full, held = free[w], stash[w] >= cap[w], deferred[w] >= defer[w]
+        for chain in chains[w]:
+            if not chain:
+                continue
+            i = chain[0]
+            ready = ready_at[i]
+            if ready is None:
+                continue
+            kind = kind_of[i]
+            if (full and kind == F) or (held and kind == B):
+                continue
+            op = ops[i]
+            key = (at if at > ready else ready, rank[i], ready, op.microbatch, op.pipeline)
+            if best is None or key < best:
+                best, chosen = key, chain
+        if best is not None:
+            heapq.heappush(heap, (best, version[w], workers[w], w, chosen))
 
-    for pos in problem.workers:
-        push(pos)
-    scheduled, total = 0, len(runner)
+    for w in range(n):
+        push(w)
+    scheduled = 0
     while heap:
-        key, v, pos, op = heapq.heappop(heap)
-        if v != version[pos]:
+        key, v, _, w, chain = heapq.heappop(heap)
+        if v != version[w]:
             continue  # stale: the worker's situation changed since this entry
-        start = key[0]
-        chains[pos][(op.kind, op.pipeline)].popleft()
-        end[op] = start + problem.duration(op)
-        free[pos] = end[op]
-        orders[pos].append(op)
+        i = chain.popleft()
+        done = end[i] = key[0] + duration[i]
+        free[w] = done
+        orders[w].append(ops[i])
         scheduled += 1
-        if op.kind == F:
-            stash[pos] += 1
-        elif op.kind in (B, BW):
-            stash[pos] -= 1
-            deferred[pos] += op.kind == B
-        else:
-            deferred[pos] -= 1
-        touched = {pos}
-        for child in dependents[op]:
+        kind = kind_of[i]
+        if kind == F:
+            stash[w] += 1
+        elif kind == W:
+            deferred[w] -= 1
+        else:  # B or BW
+            stash[w] -= 1
+            deferred[w] += kind == B
+        touched = {workers[w]}  # pushed in the order of a set of positions, as always (same versions)
+        for child in dependents[i]:
             waiting[child] -= 1
             if waiting[child] == 0:
-                where = runner[child]
-                ready_at[child] = max(end[d] + problem.transfer_s(runner[d], where) for d in deps[child])
-                touched.add(where)
-        for p in touched:
-            push(p)
-    if scheduled < total:
-        stuck = [pos for pos in problem.workers if any(chains[pos].values())]
-        raise PlanningError(f"list scheduling stalled with {total - scheduled} ops left (workers {stuck[:4]}): "
+                ready_at[child] = max([end[j] + t for j, t in inputs[child]])
+                touched.add(workers[runner[child]])
+        for pos in touched:
+            push(index[pos])
+    if scheduled < len(ops):
+        stuck = [pos for pos, heads in zip(workers, chains) if any(heads)]
+        raise PlanningError(f"list scheduling stalled with {len(ops) - scheduled} ops left (workers {stuck[:4]}): "
                             "the stash caps leave no runnable op")
     last_grad = defaultdict(float)
-    for op, t in end.items():
+    for i, op in enumerate(ops):
         if op.kind in (W, BW):
-            last_grad[op.stage] = max(last_grad[op.stage], t)
-    return orders, last_grad, free
+            last_grad[op.stage] = max(last_grad[op.stage], end[i])
+    return dict(zip(workers, orders)), last_grad, dict(zip(workers, free))
 
 
 def _iteration_time(problem: PlanningProblem, last_grad: dict[int, float], latest: dict[int, float]) -> float:

@@ -20,7 +20,7 @@ import math
 import os
 import time
 import warnings
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -44,6 +44,11 @@ class PlanCacheWarning(UserWarning):
 # the JSON costs more than planning again (the list scheduler plans each shape of part once,
 # and a stored plan is read back op by op, not per shape: 1.5 s per plan of a 1,024-GPU grid).
 STORE_MAX_OPS = 20_000
+# Plans kept in memory, least recently used first out, up to this many ops in all: a failure
+# script that never repairs nodes reaches a new configuration at every failure, and with one
+# GPU per node each plan of a 1,024-GPU grid holds about a hundred thousand ops. A plan let go
+# is planned again if its configuration comes back (the planner is deterministic: the same plan).
+KEEP_OPS = 2_000_000
 
 
 @dataclass
@@ -77,7 +82,8 @@ class PlanLibrary:
             raise ValueError(f"unknown planner {method!r}")
         self.base, self.method, self.milp_time_limit_s = base, method, milp_time_limit_s
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else None
-        self._plans: dict[tuple, StoredPlan] = {}
+        self._plans: OrderedDict[tuple, StoredPlan] = OrderedDict()
+        self._kept_ops = 0
         self._infeasible: dict[tuple, PlanningError] = {}
 
     def problem(self, form) -> PlanningProblem:
@@ -92,6 +98,7 @@ class PlanLibrary:
     def get(self, form) -> StoredPlan:
         """The plan of a normal form: from memory, from disk, or computed now (and stored)."""
         if form in self._plans:
+            self._plans.move_to_end(form)
             return self._plans[form]
         if form in self._infeasible:
             raise self._infeasible[form]
@@ -109,8 +116,15 @@ class PlanLibrary:
             plan = self._compute(problem, method)
             if path is not None and plan.ops() <= STORE_MAX_OPS:
                 self._store(path, plan)
-        self._plans[form] = plan
+        self._keep(form, plan)
         return plan
+
+    def _keep(self, form, plan: StoredPlan) -> None:
+        self._plans[form] = plan
+        self._kept_ops += plan.ops()
+        while self._kept_ops > KEEP_OPS and len(self._plans) > 1:
+            _, old = self._plans.popitem(last=False)
+            self._kept_ops -= old.ops()
 
     def _store(self, path: Path, plan: StoredPlan) -> None:
         try:

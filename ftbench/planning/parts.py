@@ -171,7 +171,7 @@ def _split_pipelines(problem: PlanningProblem) -> list[tuple[PartProblem, list[P
         found = known.get(stand_in)
         if found is None:
             caps = tuple((at[p][s], *problem._caps_at(s, load)) for s in range(pp))
-            key = (len(pipelines), ((at[p], hop_times[hop_class[e]]),) * sum(counts), caps)
+            key = (len(pipelines), counts, ((at[p], hop_times[hop_class[e]]),) * sum(counts), caps)
             part = Part(workers, dict(zip(workers, at[p])), pipelines, microbatches, key)
             if key not in shapes:
                 shapes[key] = (PartProblem(problem, part, _shape_ops(problem, part, list(at[p]))), [])
@@ -230,7 +230,9 @@ def _add(shapes: dict, problem: PlanningProblem, workers: list[Position], routes
                               tuple(problem.transfer_s((e, s), (route[s + 1], s + 1))
                                     for s, e in enumerate(route[:-1]))))
     caps = tuple(sorted((local[pos], problem.stash_cap(pos), problem.defer_cap(pos)) for pos in workers))
-    key = (len(pipelines), tuple(signature), caps)  # flows in (local pipeline, micro-batch) order
+    # Flows in (local pipeline, micro-batch) order; the counts say where one pipeline's end (two
+    # parts whose flows look alike may split them between their pipelines differently).
+    key = (len(pipelines), tuple(count[d] for d in pipelines), tuple(signature), caps)
     microbatches = tuple(tuple(microbatch_of[(p, j)] for j in range(count[d])) for p, d in enumerate(pipelines))
     part = Part(sorted(workers), local, pipelines, microbatches, key)
     if key not in shapes:
