@@ -13,6 +13,8 @@ trains in. Nodes past the grid (standbys, new nodes) hold worker ids past it.
 """
 from __future__ import annotations
 
+import functools
+
 PLACEMENTS = ("pipeline", "stage")
 
 
@@ -30,3 +32,10 @@ def workers_on(node: int, pp: int, dp: int, gpus_per_node: int, placement: str) 
         return list(range(node * gpus_per_node, (node + 1) * gpus_per_node))
     group, stage = divmod(node, pp)
     return [(group * gpus_per_node + i) * pp + stage for i in range(gpus_per_node)]
+
+
+@functools.lru_cache(maxsize=4)
+def grid_nodes(pp: int, dp: int, gpus_per_node: int, placement: str) -> tuple[int, ...]:
+    """node_of for every worker of the grid, computed once per layout: strategies that keep
+    the grid build per-worker node maps from it at each failure of a large cluster."""
+    return tuple(node_of(w, pp, dp, gpus_per_node, placement) for w in range(pp * dp))

@@ -47,6 +47,7 @@ from ftbench.actions import FILE, Rendezvous, SyncFromPeers
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
+from ftbench.placement import grid_nodes
 from ftbench.plan import Plan, grid_replicas
 from ftbench.planning.library import METHODS, PlanLibrary, forms_up_to
 from ftbench.planning.problem import PlanningError, normalise, problem_for
@@ -125,8 +126,9 @@ class ReCycle(CheckpointRestart):
                             name=f"recycle-{self.level}")
         label = "fault-free" if not self.failed else f"{len(self.failed)} re-routed"
         replicas = grid_replicas(pp, dp)  # every survivor keeps (and steps) its own stage replica
+        nodes = grid_nodes(*cluster.layout, cluster.gpus_per_node, cluster.placement)  # cluster.node_of, per worker
         return Plan(schedule=schedule, partition=(self.ctx.cost_model.balanced_partition(pp),) * dp,
-                    holds={w: replicas[w] for w in ops}, node_of=dict(zip(ops, map(cluster.node_of, ops))),
+                    holds={w: replicas[w] for w in ops}, node_of=dict(zip(ops, map(nodes.__getitem__, ops))),
                     name=f"recycle-{self.level} ({label})", staggered_optimizer=self.level == "staggered")
 
     def nodes_in_use(self) -> set[int]:

@@ -137,8 +137,8 @@ class PlanLibrary:
             self.cache_dir = None
 
     def _path(self, problem: PlanningProblem, method: str) -> Path | None:
-        if self.cache_dir is None:
-            return None
+        if self.cache_dir is None or _ops_of(problem) > STORE_MAX_OPS:
+            return None  # never stored (STORE_MAX_OPS): no key to hash, no file to look for
         limit = f"-{self.milp_time_limit_s:g}s" if method == "milp" else ""
         return self.cache_dir / f"{method}{limit}-{problem.key()}.json"
 
@@ -164,6 +164,12 @@ class PlanLibrary:
                 self._infeasible[form] = error
             if progress is not None:
                 progress()
+
+
+def _ops_of(problem: PlanningProblem) -> int:
+    """Ops of any plan of `problem`: every micro-batch of every pipeline runs at every stage
+    (a failed worker's on a peer)."""
+    return problem.dp * problem.pp * problem.microbatches * (3 if problem.decoupled else 2)
 
 
 def forms_up_to(threshold: int, pp: int, dp: int, gpus_per_node: int, placement: str = "pipeline") -> list:
