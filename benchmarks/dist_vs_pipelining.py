@@ -61,7 +61,7 @@ def _pipelining(spec, seed: int, partition, m: int, b: int, seq_len: int, iterat
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from ftbench.dist.worker import init_process_group, setup_threads
+    from ftbench.distributed.worker import init_process_group, setup_threads
     from ftbench.engine.worker import make_optimizer
     from ftbench.models.data import batch, make_source
     from ftbench.models.gpt import build_stage, lm_loss_sum
@@ -103,8 +103,8 @@ def _pipelining(spec, seed: int, partition, m: int, b: int, seq_len: int, iterat
 def run_pipelining(args, folder: Path) -> tuple[list[float], float]:
     from ftbench.cli import compose
     from ftbench.context import RunContext
-    from ftbench.dist import worker
-    from ftbench.dist.launch import launch
+    from ftbench.distributed import worker
+    from ftbench.distributed.launch import launch
 
     cfg = compose(["backend=dist", *_overrides(args)])
     ctx = RunContext.from_config(cfg)

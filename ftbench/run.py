@@ -182,8 +182,8 @@ def _run(cfg, run_dir: Path, log) -> dict:
               "failure_script": script.description, "model_parameters": ctx.spec.parameters}
     if ctx.backend == "local":
         return {**common, **_run_local(cfg, ctx, strategy, cluster, script, run_dir, log, clock)}
-    if ctx.backend == "dist":  # one process per worker (ftbench/dist/launch.py)
-        from ftbench.dist.launch import run_dist
+    if ctx.backend == "dist":  # one process per worker (ftbench/distributed/launch.py)
+        from ftbench.distributed.launch import run_dist
         return {**common, **run_dist(cfg, ctx, strategy, cluster, script, run_dir, log, clock)}
     return {**common, **_run_sim(cfg, ctx, strategy, cluster, script, run_dir, log)}
 

@@ -140,7 +140,7 @@ def test_bad_unannounced_settings_are_refused(tmp_path, override, message):
 
 
 def test_kill_points():
-    from ftbench.dist.launch import parse_kill
+    from ftbench.distributed.launch import parse_kill
 
     assert parse_kill("3:2:10") == (3, 2, 10)
     assert parse_kill("3:2:save") == (3, 2, "save")
@@ -149,7 +149,7 @@ def test_kill_points():
 
 
 def test_stall_points():
-    from ftbench.dist.launch import parse_stall
+    from ftbench.distributed.launch import parse_stall
 
     assert parse_stall("0:3:12") == (0, 3, 12.0) and parse_stall("2:1:0.5") == (2, 1, 0.5)
     assert parse_stall("0:3:0") is None and parse_stall("0:3") is None and parse_stall("a:3:1") is None
@@ -159,7 +159,7 @@ def test_stall_points():
 def store():
     from datetime import timedelta
 
-    from ftbench.dist.launch import free_port
+    from ftbench.distributed.launch import free_port
 
     server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=5))
@@ -169,7 +169,7 @@ def store():
 def test_the_first_dead_set_posted_is_the_epochs_verdict(store):
     """Two groups of survivors that each saw the other silent (a stall, not a death): the
     first to post decides; a rank it names is fenced, and any other view is refused."""
-    from ftbench.dist.membership import Fenced, MembershipError, agree
+    from ftbench.distributed.membership import Fenced, MembershipError, agree
 
     assert agree(store, 1, 0, [0], {1, 4, 5}, 2.0) >= 0  # rank 0 first: 1, 4 and 5 are dead
     with pytest.raises(Fenced, match=r"rank 1 is dead in the verdict of membership epoch 1 \(\[1, 4, 5\]\)"):
@@ -180,14 +180,14 @@ def test_the_first_dead_set_posted_is_the_epochs_verdict(store):
 
 
 def test_agreement_waits_for_every_survivors_view(store):
-    from ftbench.dist.membership import MembershipError, agree
+    from ftbench.distributed.membership import MembershipError, agree
 
     with pytest.raises(MembershipError, match=r"ranks \[2\] posted no view of membership epoch 1"):
         agree(store, 1, 0, [0, 2], {1}, 0.5)
 
 
 def test_a_rank_that_stops_with_an_error_says_so(store):
-    from ftbench.dist.membership import aborted, post_abort
+    from ftbench.distributed.membership import aborted, post_abort
 
     post_abort(store, 3, "DistTimeout: rank 3 waited more than 6 s")
     assert aborted(store, [1, 2, 3]) == {3: "DistTimeout: rank 3 waited more than 6 s"}
@@ -198,8 +198,8 @@ def _silent_peer(timeout_s: float, error_dir: str) -> None:
     """Rank 1 waits for an activation rank 0 never sends; rank 0 stays alive but silent."""
     import torch
 
-    from ftbench.dist.transport import DistTransport
-    from ftbench.dist.worker import init_process_group, report_errors
+    from ftbench.distributed.transport import DistTransport
+    from ftbench.distributed.worker import init_process_group, report_errors
     from ftbench.plan import grid_plan
     from ftbench.schedule import generate
 
@@ -215,8 +215,8 @@ def _silent_peer(timeout_s: float, error_dir: str) -> None:
 
 
 def test_a_peer_that_never_answers_ends_with_a_clear_timeout(tmp_path):
-    from ftbench.dist.launch import launch
-    from ftbench.dist.transport import DistError
+    from ftbench.distributed.launch import launch
+    from ftbench.distributed.transport import DistError
 
     timeout = 5.0
     started = time.monotonic()
@@ -235,8 +235,8 @@ def _stuck(seconds: float) -> None:
 
 
 def test_the_launcher_stops_a_job_past_its_deadline(tmp_path):
-    from ftbench.dist.launch import launch
-    from ftbench.dist.transport import DistError
+    from ftbench.distributed.launch import launch
+    from ftbench.distributed.transport import DistError
 
     started = time.monotonic()
     with pytest.raises(DistError, match="past its deadline of 2 s"):

@@ -59,7 +59,7 @@ def _assert_complete(summary: dict, lines: list[dict], node: int, iteration: int
 
 
 def _assert_measured(summary: dict, dead_ranks: list[int]) -> None:
-    from ftbench.dist.membership import STALE_S
+    from ftbench.distributed.membership import STALE_S
 
     (measured,) = summary["measured_recoveries"]
     assert measured["dead_ranks"] == dead_ranks

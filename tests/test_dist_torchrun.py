@@ -26,7 +26,7 @@ SETUP = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=2", "cluster.gpus_per_nod
 
 
 def test_torchrun_nodes_survive_the_death_of_node_0(tmp_path):
-    from ftbench.dist.launch import free_port
+    from ftbench.distributed.launch import free_port
 
     port = free_port()
     marker = uuid.uuid4().hex
@@ -47,7 +47,7 @@ def test_torchrun_nodes_survive_the_death_of_node_0(tmp_path):
                 nodes.append(subprocess.Popen(
                     [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
                      "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test",
-                     "-m", "ftbench.dist", "--store", f"127.0.0.1:{port}", *overrides, "--run-dir", str(run_dir)],
+                     "-m", "ftbench.distributed", "--store", f"127.0.0.1:{port}", *overrides, "--run-dir", str(run_dir)],
                     cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
         output, _ = coordinator.communicate(timeout=240)
     finally:
@@ -103,7 +103,8 @@ def test_bad_launcher_settings_are_refused(tmp_path, override, message):
     assert override.split("=")[0] in summary["error"]
 
 
-def test_a_rank_given_a_store_needs_the_run_folder():
-    out = subprocess.run([sys.executable, "-m", "ftbench.dist", "--store", "127.0.0.1:29500", "model=gpt-tiny"],
+@pytest.mark.parametrize("module", ["ftbench.distributed", "ftbench.dist"])  # the old name still launches
+def test_a_rank_given_a_store_needs_the_run_folder(module):
+    out = subprocess.run([sys.executable, "-m", module, "--store", "127.0.0.1:29500", "model=gpt-tiny"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--run-dir" in out.stderr

@@ -1,7 +1,7 @@
 """The `dist` backend: one process per worker over torch.distributed (gloo on CPU, NCCL on GPU).
 
 - `launch`: `ftbench backend=dist` starts the processes with PyTorch's elastic launcher;
-  `python -m ftbench.dist` is the same job under torchrun (multi-node).
+  `python -m ftbench.distributed` is the same job under torchrun (multi-node).
 - `worker`: one process: its threads, its process group, the shared run loop.
 - `engine`: this rank's worker and its ops of the plan (the local backend's WorkerExecutor),
   and the run loop's Backend protocol.

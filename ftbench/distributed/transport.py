@@ -36,7 +36,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ftbench.dist.membership import log
+from ftbench.distributed.membership import log
 from ftbench.engine.transport import ACT, GRAD, Key
 from ftbench.errors import UserError
 from ftbench.layers import GradientSync, fragment_layout
@@ -143,13 +143,13 @@ class DistTransport:
         self.device, self.dtype, self.message_shape = device, dtype, tuple(message_shape)
         self.ordered = ordered  # the backend matches messages by order only (NCCL): refuse plans that reorder
         self.worker: int | None = None  # this process's worker in the current plan
-        # Membership (ftbench.dist.membership): the live ranks, the group they all share (None:
+        # Membership (ftbench.distributed.membership): the live ranks, the group they all share (None:
         # the default group, before any failure), the epoch it belongs to, and which rank runs
         # each worker (a standby's rank takes over the workers of the node it replaces).
         self.alive: list[int] = list(range(world))
         self.epoch = 0
         self.worker_rank: dict[int, int] = {}
-        from ftbench.dist.membership import job_store
+        from ftbench.distributed.membership import job_store
 
         self.store = job_store(self.timeout_s)
         self.group = self._new_group(self.alive, "all")  # every live rank
@@ -166,7 +166,7 @@ class DistTransport:
         # not its neighbour would otherwise wait out timeout_s. Point-to-point waits are never
         # polled (gloo reports a closed connection at once, and its send/recv never say they
         # completed), nor is anything in iterations (polling would cost time on every op).
-        self.liveness = None  # ftbench.dist.membership.Liveness while watched
+        self.liveness = None  # ftbench.distributed.membership.Liveness while watched
 
     # -- ranks and groups ---------------------------------------------------------------
     def rank_of(self, worker: int) -> int:
@@ -438,7 +438,7 @@ class _Watched:
         self.t = transport
 
     def __enter__(self):
-        from ftbench.dist.membership import Liveness
+        from ftbench.distributed.membership import Liveness
 
         self.t.liveness = Liveness(self.t.store)
         return self.t

@@ -27,8 +27,8 @@ import time
 import torch
 
 from ftbench.actions import FILE, MEMORY, SNAPSHOT
-from ftbench.dist.membership import log
-from ftbench.dist.transport import (DistAbort, DistError, DistTimeout, DistTransport, describe_error, p2p_order,
+from ftbench.distributed.membership import log
+from ftbench.distributed.transport import (DistAbort, DistError, DistTimeout, DistTransport, describe_error, p2p_order,
                                    plan_crc)
 from ftbench.engine.boundary_log import LoggingTransport, ReplayTransport, logged_key
 from ftbench.engine.transport import ACT
@@ -602,7 +602,7 @@ class DistBackend:
     A failure (`strike`) is real: every process of the failed node runs its ops up to the
     resolved point and SIGKILLs itself; the survivors (standbys included) detect the deaths
     through the store's heartbeats, agree on them and continue in a new process group
-    (ftbench.dist.membership). Recovery actions are then performed for real: a standby's
+    (ftbench.distributed.membership). Recovery actions are then performed for real: a standby's
     processes take over a replaced node's workers, a restart rebuilds every worker's state
     from the initial weights in place, checkpoints are read from the shared run folder, state
     is copied between processes, and Swift's lost stages are replayed from the checkpoint on
@@ -650,7 +650,7 @@ class DistBackend:
         return loss
 
     def strike(self, plan, iteration, completed, dead_workers) -> None:
-        from ftbench.dist.membership import Fenced, MembershipError, agree, detect
+        from ftbench.distributed.membership import Fenced, MembershipError, agree, detect
 
         engine, t = self.engine, self.engine.transport
         if self.store is None:
@@ -718,7 +718,7 @@ class DistBackend:
         """A wait failed in `where`: find who died (else `err` stands), stop the rest of their
         nodes, agree among the survivors, call `before_regroup`, and continue in a new process
         group without them. (the dead nodes, the measured phases)."""
-        from ftbench.dist.membership import Fenced, MembershipError, aborted, agree, detect
+        from ftbench.distributed.membership import Fenced, MembershipError, aborted, agree, detect
 
         t = self.engine.transport
         struck = time.perf_counter()
@@ -922,14 +922,14 @@ class DistBackend:
     def _dies_in_recovery(self, iteration: int) -> bool:
         """backend.kill=RANK:K:recovery names this rank and the recovery performed at iteration
         K: it dies as the first action that moves or loads state starts (else at the end)."""
-        from ftbench.dist.launch import RECOVERY
+        from ftbench.distributed.launch import RECOVERY
 
         kill = self.engine.kill
         return bool(kill) and kill[2] == RECOVERY and (kill[0], kill[1]) == (self.engine.rank, iteration)
 
     def _dies_in_save(self, iteration: int) -> bool:
         """backend.kill=RANK:K:save names this rank and the checkpoint after iteration K."""
-        from ftbench.dist.launch import SAVE
+        from ftbench.distributed.launch import SAVE
 
         kill = self.engine.kill
         return bool(kill) and kill[2] == SAVE and (kill[0], kill[1] + 1) == (self.engine.rank, iteration)

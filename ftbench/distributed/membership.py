@@ -30,7 +30,7 @@ from datetime import timedelta
 # Each rank's membership decisions (what it detected, agreed, regrouped, and its heartbeat's
 # stalls), timestamped on its stderr: the launcher keeps it per node under dist/logs, where a
 # run that went wrong is read afterwards.
-log = logging.getLogger("ftbench.dist")
+log = logging.getLogger("ftbench.distributed")
 
 
 def log_to_stderr(rank: int) -> None:
@@ -48,7 +48,7 @@ STALE_S = 2.0  # a member whose beat has not moved this long is dead (threads of
 SETTLE_S = 0.5  # after the first death, how long the dead set must hold still (a node's processes die together)
 
 
-STORE_ENV = "FTBENCH_STORE"  # host:port of the store `ftbench` hosts for the job (ftbench.dist.launch)
+STORE_ENV = "FTBENCH_STORE"  # host:port of the store `ftbench` hosts for the job (ftbench.distributed.launch)
 JOB_PREFIX = "ftbench/job/"  # that store serves one job: its keys need no run id
 
 
@@ -123,7 +123,7 @@ class Fenced(MembershipError):
 
 def post_abort(store, rank: int, why: str) -> None:
     """Tell the job that this rank stops with an error (not a failure): whoever then finds it
-    silent stops the job too instead of recovering from it (ftbench.dist.engine)."""
+    silent stops the job too instead of recovering from it (ftbench.distributed.engine)."""
     store.set(f"abort/{rank}", why)
 
 
@@ -137,7 +137,7 @@ WATCH_STALE_S = 3 * STALE_S  # a watched wait gives up on a peer silent this lon
 
 class Liveness:
     """Which ranks have stopped beating, from repeated looks at their counters (a watched wait
-    asks every WATCH_EVERY_S while it waits: ftbench.dist.transport)."""
+    asks every WATCH_EVERY_S while it waits: ftbench.distributed.transport)."""
 
     def __init__(self, store, stale_s: float = WATCH_STALE_S):
         self.store, self.stale_s = store, stale_s

@@ -1,13 +1,13 @@
 """One node of a dist job on this machine: PyTorch's elastic agent for that node's processes.
 
-`python -m ftbench.dist.agent JOB NODE NODES GPUS ENDPOINT RUN_ID` is what `ftbench
+`python -m ftbench.distributed.agent JOB NODE NODES GPUS ENDPOINT RUN_ID` is what `ftbench
 backend=dist` starts once per node (standbys included) when the run has failures: a node's
 death (SIGKILL of its processes) then ends only its own agent, and the other agents' workers
 carry on, as with one `torchrun` per node on a cluster. The agents meet through c10d
 rendezvous in the store the launcher hosts (so no node's death takes the store with it), and
 the short exit barrier keeps the survivors from waiting for agents that died.
 
-The leader posts its results in that store (ftbench.dist.worker.RESULT_KEY).
+The leader posts its results in that store (ftbench.distributed.worker.RESULT_KEY).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
 
-    from ftbench.dist import worker
+    from ftbench.distributed import worker
 
     start_method = worker.start_method()
     if start_method == "fork":

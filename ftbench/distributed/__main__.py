@@ -1,7 +1,7 @@
-"""`python -m ftbench.dist [overrides]`: one rank of a dist job started by torchrun.
+"""`python -m ftbench.distributed [overrides]`: one rank of a dist job started by torchrun.
 
     torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
-        -m ftbench.dist cluster.pp=4 cluster.dp=2 --run-dir runs/dist-job
+        -m ftbench.distributed cluster.pp=4 cluster.dp=2 --run-dir runs/dist-job
 
 Every rank composes the same config from the same overrides (backend=dist is implied).
 Rank 0 runs the job as `ftbench` does (metrics.jsonl, summary.json, the printed summary in
@@ -35,24 +35,24 @@ def main(argv: list[str] | None = None) -> int:
         store = args[i + 1] if i + 1 < len(args) else ""
         del args[i:i + 2]
         if ":" not in store or run_dir is None:
-            print("python -m ftbench.dist: --store takes the coordinator's HOST:PORT and needs the coordinator's "
+            print("python -m ftbench.distributed: --store takes the coordinator's HOST:PORT and needs the coordinator's "
                   "--run-dir (on storage every node shares)", file=sys.stderr)
             return 2
     if not any(a.startswith("backend=") for a in args):
         args.append("backend=dist")
     from ftbench.cli import EXIT_CODES, compose
-    from ftbench.dist.launch import IN_JOB_ENV, check_config, job_of
-    from ftbench.dist.worker import env_ranks, report_errors, train
+    from ftbench.distributed.launch import IN_JOB_ENV, check_config, job_of
+    from ftbench.distributed.worker import env_ranks, report_errors, train
     from ftbench.errors import UserError
 
     cfg = compose(args)
     if cfg.backend.name != "dist":
-        print("python -m ftbench.dist runs backend=dist only", file=sys.stderr)
+        print("python -m ftbench.distributed runs backend=dist only", file=sys.stderr)
         return 2
     rank = env_ranks()[0]
     os.environ[IN_JOB_ENV] = "1"
     if store is not None:
-        from ftbench.dist.membership import STORE_ENV
+        from ftbench.distributed.membership import STORE_ENV
 
         os.environ[STORE_ENV] = store
     run_dir = Path(run_dir or Path("runs") / "dist" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S"))

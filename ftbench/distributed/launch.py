@@ -1,7 +1,7 @@
 """Starting a dist job: `ftbench backend=dist ...` launches one process per worker of the plan
 through PyTorch's elastic launcher (torch.distributed.launcher.api.elastic_launch: c10d
 rendezvous on 127.0.0.1, a free port, no restarts), and turns what comes back into the run's
-results; `python -m ftbench.dist ...` under torchrun runs the same job across nodes.
+results; `python -m ftbench.distributed ...` under torchrun runs the same job across nodes.
 
 - Rank 0's metrics lines go to `<run>/dist/rank0-metrics.jsonl`; this process tails that file
   into the run's metrics.jsonl (and W&B) while the job runs.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ftbench.errors import ConfigError
 
-IN_JOB_ENV = "FTBENCH_DIST_IN_JOB"  # set by `python -m ftbench.dist`: this process is a rank of a torchrun job
+IN_JOB_ENV = "FTBENCH_DIST_IN_JOB"  # set by `python -m ftbench.distributed`: this process is a rank of a torchrun job
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the elastic launcher installs handlers for these
 
 
@@ -42,7 +42,7 @@ def deadline_s(cfg) -> float:
 
 
 def check_config(cfg, strategy, clock: str) -> None:
-    """What backend=dist runs: decisions every rank takes alike (ftbench.dist.worker), so
+    """What backend=dist runs: decisions every rank takes alike (ftbench.distributed.worker), so
     failures scripted by iteration (or by time on the modelled clock); a join runs on a
     standby node's processes (job_nodes starts one per join)."""
     if cfg.failures.kind not in ("none", "scripted"):
@@ -153,7 +153,7 @@ def per_node(cfg) -> bool:
 def heartbeats(cfg) -> bool:
     """Whether this rank beats and watches its peers' beats: on the per-node layout, and in
     every job whose store `ftbench` hosts (a torchrun job with a coordinator)."""
-    from ftbench.dist.membership import STORE_ENV
+    from ftbench.distributed.membership import STORE_ENV
 
     return per_node(cfg) or bool(os.environ.get(STORE_ENV))
 
@@ -162,8 +162,8 @@ def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str
     """The dist backend's part of ftbench.run._run: the job's results for the summary."""
     check_config(cfg, strategy, clock)
     job = job_of(cfg, run_dir)
-    if os.environ.get(IN_JOB_ENV):  # rank 0 of a torchrun job (python -m ftbench.dist): train here
-        from ftbench.dist.worker import train
+    if os.environ.get(IN_JOB_ENV):  # rank 0 of a torchrun job (python -m ftbench.distributed): train here
+        from ftbench.distributed.worker import train
 
         result = train(job, log=log)
     elif cfg.backend.get("launcher", "self") == "torchrun":
@@ -231,7 +231,7 @@ def _check_fault_free(cfg, ctx, result: dict, log) -> None:
 
 
 def launch_training(job: dict, processes: int, log, timeout: float, deadline: float) -> dict:
-    from ftbench.dist import worker
+    from ftbench.distributed import worker
 
     start_method = worker.start_method()
     if start_method == "fork":
@@ -248,15 +248,15 @@ def launch_training(job: dict, processes: int, log, timeout: float, deadline: fl
 
 
 def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float, deadline: float) -> dict:
-    """The job as `nodes` elastic agents on this machine (ftbench.dist.agent), one per node,
+    """The job as `nodes` elastic agents on this machine (ftbench.distributed.agent), one per node,
     meeting in a store this process hosts; the leader's results. Past `deadline` every agent
     and its processes are stopped."""
     import pickle
     import subprocess
     import sys
 
-    from ftbench.dist.membership import STORE_ENV
-    from ftbench.dist.transport import DistError
+    from ftbench.distributed.membership import STORE_ENV
+    from ftbench.distributed.transport import DistError
 
     folder = _fresh_folder(job)
     job_path = folder / "job.pkl"
@@ -272,7 +272,7 @@ def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float,
         for node in range(nodes):
             with open(folder / f"agent{node}.log", "wb") as out:
                 agents.append(subprocess.Popen(
-                    [sys.executable, "-m", "ftbench.dist.agent", str(job_path), str(node), str(nodes),
+                    [sys.executable, "-m", "ftbench.distributed.agent", str(job_path), str(node), str(nodes),
                      str(gpus_per_node), f"127.0.0.1:{port}", run_id],
                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                     env=dict(os.environ, **{STORE_ENV: f"127.0.0.1:{port}"})))
@@ -301,13 +301,13 @@ def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float,
 def coordinate(job: dict, nodes: int, gpus_per_node: int, log, timeout: float, deadline: float, port: int) -> dict:
     """backend.launcher=torchrun: host the job's store on `port` (torchrun's rendezvous and the
     ranks' membership both meet there), forward the leader's metrics lines and wait for its
-    results; the ranks are started elsewhere (`torchrun ... -m ftbench.dist --store HOST:PORT`).
+    results; the ranks are started elsewhere (`torchrun ... -m ftbench.distributed --store HOST:PORT`).
     Ends when the leader posts its results, when every rank has stopped beating after an
     error, or past `deadline`."""
-    from ftbench.dist.membership import STALE_S, beats
+    from ftbench.distributed.membership import STALE_S, beats
 
-    from ftbench.dist.transport import DistError
-    from ftbench.dist.worker import RESULT_KEY
+    from ftbench.distributed.transport import DistError
+    from ftbench.distributed.worker import RESULT_KEY
 
     folder = _fresh_folder(job)
     store = host_store(port, timeout)
@@ -316,7 +316,7 @@ def coordinate(job: dict, nodes: int, gpus_per_node: int, log, timeout: float, d
     host = socket.getfqdn()
     print(f"ftbench: hosting the job's store on {host}:{port}; start torchrun on every node with "
           f"--nnodes={nodes} --nproc-per-node={gpus_per_node} --rdzv-backend=c10d "
-          f"--rdzv-endpoint={host}:{port} -m ftbench.dist --store {host}:{port} --run-dir {job['run_dir']} "
+          f"--rdzv-endpoint={host}:{port} -m ftbench.distributed --store {host}:{port} --run-dir {job['run_dir']} "
           "and this run's overrides", flush=True)
     tail = _Tail(Path(job["metrics"]), log)
     tail.start()
@@ -362,10 +362,10 @@ def host_store(port: int, timeout: float):
 
 
 def _job_view(store):
-    """The job's keys in a store `ftbench` hosts (ftbench.dist.membership.job_store's prefix)."""
+    """The job's keys in a store `ftbench` hosts (ftbench.distributed.membership.job_store's prefix)."""
     from torch.distributed import PrefixStore
 
-    from ftbench.dist.membership import JOB_PREFIX
+    from ftbench.distributed.membership import JOB_PREFIX
 
     return PrefixStore(JOB_PREFIX, store)
 
@@ -383,8 +383,8 @@ def _result(store, folder: Path, started: float, where: str) -> dict:
     """The results the leader posted in the store, or the job's root-cause error."""
     import pickle
 
-    from ftbench.dist.transport import DistError
-    from ftbench.dist.worker import RESULT_KEY
+    from ftbench.distributed.transport import DistError
+    from ftbench.distributed.worker import RESULT_KEY
 
     prefixed = _job_view(store)
     if prefixed.check([RESULT_KEY]):
@@ -405,12 +405,12 @@ def launch(entrypoint, args: tuple, processes: int, timeout: float, deadline: fl
            start_method: str = "spawn") -> dict:
     """Run `entrypoint(*args)` in `processes` processes on this machine under PyTorch's elastic
     launcher; {rank: return value}. A failure raises DistError with the earliest rank error
-    found in `folder` (ftbench.dist.worker.report_errors); past `deadline` seconds every
+    found in `folder` (ftbench.distributed.worker.report_errors); past `deadline` seconds every
     process is stopped and DistError says so."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ftbench.dist.transport import DistError
+    from ftbench.distributed.transport import DistError
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -7,12 +7,12 @@ metrics lines and returns the results. Nothing is broadcast per iteration: the l
 (seeded data and failures, deterministic planning) and the backend hands every rank the
 same loss and the same measured checkpoint costs. Decisions taken from each process's own
 wall clock (a measured checkpoint interval, `train.max_hours`) are refused on the wall clock
-(ftbench.dist.launch.check_config): they would need an agreement step. Every
+(ftbench.distributed.launch.check_config): they would need an agreement step. Every
 iteration's closing all-reduce also compares the ranks' iteration and plan, so ranks whose
 loops disagree stop with an error instead of exchanging the wrong tensors.
 
-`train(job)` is the elastic launcher's entry point (ftbench.dist.launch) and the body of
-`python -m ftbench.dist` under torchrun.
+`train(job)` is the elastic launcher's entry point (ftbench.distributed.launch) and the body of
+`python -m ftbench.distributed` under torchrun.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def init_process_group(timeout_s: float):
     import torch
     import torch.distributed as dist
 
-    from ftbench.dist.membership import STORE_ENV, job_store
+    from ftbench.distributed.membership import STORE_ENV, job_store
 
     rank, world, local, _ = env_ranks()
     if torch.cuda.is_available():
@@ -119,7 +119,7 @@ def start_method() -> str:
 
 def preload() -> None:
     """Import what every rank needs (torch, transformers, the engine) before forking."""
-    import ftbench.dist.engine  # noqa: F401
+    import ftbench.distributed.engine  # noqa: F401
     import ftbench.run  # noqa: F401
     import ftbench.strategies  # noqa: F401
 
@@ -144,10 +144,10 @@ def train(job: dict, log=None) -> dict | None:
     rank, world, device, pg_backend = init_process_group(float(cfg.backend.timeout_s))
     leader_log = _LeaderLog(rank, log, job.get("metrics"))
     heartbeat = None
-    from ftbench.dist.launch import heartbeats
+    from ftbench.distributed.launch import heartbeats
 
     if heartbeats(cfg):  # the survivors of a failure tell the dead by their silent beat
-        from ftbench.dist.membership import Heartbeat, log_to_stderr
+        from ftbench.distributed.membership import Heartbeat, log_to_stderr
 
         log_to_stderr(rank)  # its membership decisions, kept per node under dist/logs
         heartbeat = Heartbeat(rank, float(cfg.backend.timeout_s)).start()
@@ -183,8 +183,8 @@ def _signalled(err: BaseException) -> bool:
 
 
 def _post_abort(heartbeat, rank: int, err: BaseException) -> None:
-    from ftbench.dist.membership import log, post_abort
-    from ftbench.dist.transport import describe_error
+    from ftbench.distributed.membership import log, post_abort
+    from ftbench.distributed.transport import describe_error
 
     why = describe_error(err)
     log.info("stops the job: %s", why)
@@ -230,9 +230,9 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     from ftbench.actions import FILE, SNAPSHOT
     from ftbench.checkpoint import CheckpointStore
     from ftbench.cluster import Cluster
-    from ftbench.dist.engine import DistBackend, DistEngine
-    from ftbench.dist.launch import parse_kill, parse_stall
-    from ftbench.dist.transport import DistTransport
+    from ftbench.distributed.engine import DistBackend, DistEngine
+    from ftbench.distributed.launch import parse_kill, parse_stall
+    from ftbench.distributed.transport import DistTransport
     from ftbench.engine.local import DTYPES
     from ftbench.failures import build_failure_script
     from ftbench.loop import run_loop
@@ -271,7 +271,7 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     timelines = SimCache(ctx.cost_model)
     membership = None
     if heartbeat is not None:
-        from ftbench.dist.membership import job_store
+        from ftbench.distributed.membership import job_store
 
         membership = job_store(float(cfg.backend.timeout_s))  # the heartbeat thread keeps its own client
     stall = parse_stall(cfg.backend.stall) if cfg.backend.get("stall") is not None else None
