@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import socket
 import tempfile
 import warnings
 from pathlib import Path
@@ -114,8 +115,10 @@ def write_summary(run_dir: Path | str, summary: dict) -> Path:
     folder = Path(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / SUMMARY_FILE
-    # The temporary file sits in the same folder so os.replace is a rename, not a copy.
-    fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=".summary.", suffix=".tmp")
+    clean_stale_summaries(folder)
+    # The temporary file sits in the same folder so os.replace is a rename, not a copy. Its name
+    # says who writes it, so that a later writer can tell one left by a killed process.
+    fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".summary.{_writer()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as tmp:
             os.fchmod(tmp.fileno(), 0o644)  # mkstemp makes it 0600; the summary is for everyone to read
@@ -128,6 +131,27 @@ def write_summary(run_dir: Path | str, summary: dict) -> Path:
         raise
     fsync_dir(folder)
     return target
+
+
+def _writer() -> str:
+    return f"{socket.gethostname().replace('.', '-')}.{os.getpid()}"
+
+
+def clean_stale_summaries(folder: Path) -> None:
+    """Remove temporary summaries that a process killed mid-write (SIGKILL: no cleanup runs)
+    left in `folder`: those written on this host by a process that no longer exists. Others'
+    (another host on shared storage, a live writer) are left alone."""
+    host = socket.gethostname().replace(".", "-")
+    for tmp in folder.glob(".summary.*.tmp"):
+        parts = tmp.name.split(".")  # '', summary, host, pid, random, tmp
+        if len(parts) != 6 or parts[2] != host or not parts[3].isdigit():
+            continue
+        try:
+            os.kill(int(parts[3]), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # alive, someone else's
 
 
 def read_metrics(path: Path | str) -> list[dict]:

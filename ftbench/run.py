@@ -20,7 +20,7 @@ from ftbench.cluster import Cluster
 from ftbench.context import RunContext
 from ftbench.errors import ConfigError, UserError
 from ftbench.failures import build_failure_script
-from ftbench.metrics import MetricsWriter, WandbSink, ettr, write_summary
+from ftbench.metrics import MetricsWriter, WandbSink, clean_stale_summaries, ettr, write_summary
 from ftbench.report import format_summary, plot_gantt, plot_gantt_panels
 from ftbench.actions import FILE, SNAPSHOT
 from ftbench.failures import FailureScript
@@ -68,6 +68,7 @@ def execute(cfg, run_dir: Path | str, wandb_group: str | None = None, echo=_echo
     (a sweep's folder) keeps what the sweep's jobs share: the calibration fits."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale_summaries(run_dir)  # a run killed mid-write (SIGKILL) in this folder before
     summary = _base_summary(cfg, overrides, swept)
     started = time.perf_counter()
     main_thread = threading.current_thread() is threading.main_thread()

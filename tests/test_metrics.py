@@ -542,3 +542,38 @@ def test_a_summary_is_strict_json_even_with_losses_not_reached(tmp_path):
 
     back = json.loads(path.read_text(), parse_constant=strict)
     assert back["losses"] == [5.0, None, None] and back["nested"] == {"x": None} and back["throughput"] is None
+
+
+def test_a_summary_left_by_a_killed_writer_is_cleaned_by_the_next_one(tmp_path):
+    """SIGKILL between mkstemp and the rename leaves `.summary.*.tmp` (no cleanup can run):
+    the next write in the folder removes it; a live writer's, or another host's, stays."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from ftbench.metrics import clean_stale_summaries
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    # A real writer killed mid-write: it blocks after creating its temporary file.
+    code = ("import os, sys, tempfile; from ftbench import metrics\n"
+            "fd, name = tempfile.mkstemp(dir=sys.argv[1], prefix=f'.summary.{metrics._writer()}.', suffix='.tmp')\n"
+            "print(name, flush=True); sys.stdin.read()")
+    writer = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    left = writer.stdout.readline().strip()
+    host = socket.gethostname().replace(".", "-")
+    live = folder / f".summary.{host}.{os.getpid()}.abc.tmp"  # this test's process: alive
+    elsewhere = folder / ".summary.other-host.1.abc.tmp"
+    live.write_text("{}")
+    elsewhere.write_text("{}")
+    clean_stale_summaries(folder)
+    assert os.path.exists(left), "a live writer's file was removed"
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait(timeout=30)
+    write_summary(folder, full_summary())
+    assert not os.path.exists(left)
+    assert live.exists() and elsewhere.exists()
+    assert (folder / "summary.json").exists()
