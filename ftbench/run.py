@@ -357,6 +357,8 @@ def _draw_gantt(outcome, timelines, run_dir: Path, cfg, ctx) -> None:
     first = outcome.first_timeline
     title = (f"{ctx.spec.name}, {cfg.schedule.name}, pp={cfg.cluster.pp} dp={cfg.cluster.dp}, "
              f"m={ctx.microbatches}, {cfg.hardware.name}: one iteration {first.iteration_time:.3g} s")
+    if ctx.backend != "sim":  # local and dist time their ops, but this picture is the simulator's
+        title += f"\n(the cost model's picture of this run's plan on {cfg.hardware.name}, not the measured run)"
     try:
         after = outcome.plan_after_recovery
         if after is None:
