@@ -44,6 +44,11 @@ def test_readme_command_runs_as_written(tmp_path, command):
     assert out.returncode == expected, out.stderr[-3000:]
     summaries = list(tmp_path.rglob("summary.json"))
     assert summaries, "no run folder was written"
+    said = re.search(r"(\d+) failures", comment)  # a comment that gives the count is held to it
+    if said:
+        import json
+
+        assert json.loads(summaries[0].read_text())["failures"] == int(said.group(1))
 
 
 @pytest.mark.parametrize("flag", ["--help", "--version"])
