@@ -21,6 +21,8 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
+from itertools import chain, compress, islice, repeat
+from operator import countOf, eq
 from typing import Protocol
 
 from ftbench.actions import Rendezvous, RestartJob, SaveCheckpoint, WaitForReplacement
@@ -33,6 +35,7 @@ from ftbench.plan import Plan
 from ftbench.recovery_costs import CheckpointLedger, SaveCost, action_seconds, save_cost
 from ftbench.schedule import OPT
 from ftbench.sim.simulator import SimResult, ops_completed_at
+from ftbench.transfers import copy_sizes
 
 CLOCKS = ("model", "wall")  # backend.clock
 # A recovery's record lists at most this many of its state copies (with their count and bytes):
@@ -385,7 +388,7 @@ class RunLoop:
         for hit in self._nodes or ():
             if hit[0] is plan:
                 return hit[1]
-        nodes = frozenset(plan.node_of.values())
+        nodes = plan.nodes()
         self._nodes = ((plan, nodes), *(self._nodes or ())[:1])
         return nodes
 
@@ -489,7 +492,7 @@ class RunLoop:
         if self.modelled:
             self.t += fraction * T
         completed = self._point(timeline, fraction) if fraction > 0 and self.backend.cuts_ops else frozenset()
-        dead = [w for w, node in self.plan.node_of.items() if node == event.node]
+        dead = self._workers_on(event.node)
         t_fail = self.now()
         self.cluster.fail(event.node)
         self.out.failures += 1
@@ -504,6 +507,16 @@ class RunLoop:
         self.log({"event": "fail", "node": event.node, "time_s": t_fail, "iteration": self.it, **extra})
         self._lose_unpersisted()
         self._ask_strategy(event)
+
+    def _workers_on(self, node: int) -> list[int]:
+        """The plan's workers on `node`, in the plan's order: where at most one, the node's
+        workers the plan places there, as many as a count over the plan finds; else looked
+        for over the plan's 16,384 workers (in bulk)."""
+        node_of = self.plan.node_of
+        on = [w for w in self.cluster.workers_on(node) if node_of.get(w) == node]
+        if len(on) > 1 or countOf(node_of.values(), node) != len(on):
+            on = list(compress(node_of, map(eq, node_of.values(), repeat(node))))
+        return on
 
     def _fail(self, node: int, **extra) -> None:
         """A live node fails now: membership, the count, the metrics line."""
@@ -626,12 +639,14 @@ class RunLoop:
         record = {"time_s": t_event, "iteration": it, "recovery_s": seconds, "lost_iterations": it - restored,
                   "restored_iteration": restored, "actions": [type(a).__name__ for a in actions],
                   "plan": new.name, "shape": new.shape}
-        copies = [c for a in actions for c in getattr(a, "copies", ())]
-        if copies:  # what moved between workers: layers, from, to, bytes (the first COPIES_LISTED of them)
+        moved = [getattr(a, "copies", ()) for a in actions]  # (ftbench.transfers.Copies: made when read)
+        total = sum(map(len, moved))
+        if total:  # what moved between workers: layers, from, to, bytes (the first COPIES_LISTED of them)
             record["copies"] = [{"layers": list(c.layers), "embedding": c.embedding, "head": c.head, "src": c.src,
-                                 "dst": c.dst, "bytes": c.nbytes} for c in copies[:COPIES_LISTED]]
-            record["copies_total"] = len(copies)
-            record["copied_bytes"] = math.fsum(c.nbytes for c in copies)
+                                 "dst": c.dst, "bytes": c.nbytes}
+                                for c in islice(chain.from_iterable(moved), COPIES_LISTED)]
+            record["copies_total"] = total
+            record["copied_bytes"] = math.fsum(chain.from_iterable(map(copy_sizes, moved)))
         if interrupted is not None:  # completed without them; they fail next
             record["interrupted_by_nodes"] = interrupted.nodes
         out.recoveries.append(record)
@@ -693,6 +708,8 @@ class RunLoop:
         after every failure costs the same each time."""
         if isinstance(action, (WaitForReplacement, RestartJob, Rendezvous)):  # constants: nothing to keep
             return action_seconds(action, old, new, self.ctx.cost_model)
+        if getattr(action, "copies", ()):  # this recovery's own copies (thousands at scale: not hashed)
+            return action_seconds(action, old, new, self.ctx.cost_model, self.ckpt.save_s)
         key = (action, id(old), id(new))
         hit = self._action_s.get(key)
         if hit is None or hit[0] is not old or hit[1] is not new:

@@ -5,13 +5,17 @@ Strategies produce plans; backends execute them. A plan is data, so it can be ha
 """
 from __future__ import annotations
 
+import marshal
+import pickle
+import weakref
 from array import array
 from collections import defaultdict
-from itertools import chain
+from itertools import accumulate, chain, compress, repeat
 from dataclasses import dataclass, field
 from functools import lru_cache
+from operator import is_not, ne, or_
 
-from ftbench.schedule import OPT, GridOps, Schedule, generate, grid_worker, read_ops
+from ftbench.schedule import OPT, GridOps, Schedule, generate, grid_worker, int64_bytes, read_ops
 
 LayerRange = tuple[int, int]  # [first, end) transformer blocks
 
@@ -28,6 +32,42 @@ class GridLayout:
     holds: dict  # the objects it describes (Plan.grid checks they are still the plan's)
     partition: tuple
     stages: tuple[int, ...]
+    node_of: dict | None = None  # the plan's node_of, as its builder made it from `nodes`:
+    nodes: list[int] | None = None  # the node of each of `workers` (None: not kept)
+
+    def node_list(self, node_of: dict) -> list[int]:
+        """node_of[w] for each of `workers`: the builder's list while node_of is its dict."""
+        if self.nodes is not None and self.node_of is node_of:
+            return self.nodes
+        return list(map(node_of.__getitem__, self.workers))
+
+
+@dataclass(eq=False)
+class PipelinesLayout:
+    """A plan built by pipelines_plan (Oobleck's heterogeneous pipelines): pipeline d runs on
+    workers[bounds[d]:bounds[d + 1]] in stage order, each worker keeping exactly its own
+    stage ((d, s),) and running the order of its stage in one generated pipeline of its
+    stage and micro-batch counts. Lets the simulator time such a plan from one pipeline of
+    each kind (ftbench.sim.pipelines) without looking at every worker's ops."""
+    workers: list[int]
+    bounds: list[int]
+    records: dict  # the objects it describes (Plan.pipelines checks they are still the plan's):
+    size: int  # the GridOps records, with this many workers,
+    holds: dict
+    partition: tuple
+    stages: tuple[int, ...]
+    lists: list[list[int]]  # each pipeline's workers (workers, cut up), as pipelines_plan was given them
+    counts: tuple[int, ...]  # each pipeline's micro-batches
+    # Made from an earlier plan's layout (pipelines_plan's `like`): it (a weak reference, or
+    # None), and the pipelines that differ from its own at the same index (workers, shape, or
+    # cut object; every other is the same), for readers that update what they found for it.
+    parent: weakref.ref | None = None
+    changed: list[int] | None = None
+
+    def changed_from(self, earlier: "PipelinesLayout") -> list[int] | None:
+        """The pipelines that differ from `earlier`'s at the same index, where this layout was
+        made from it; None otherwise."""
+        return self.changed if self.parent is not None and self.parent() is earlier else None
 
 
 @dataclass
@@ -43,6 +83,7 @@ class Plan:
     logged: frozenset = frozenset()
     _key: tuple | None = field(default=None, repr=False, compare=False)
     _grid: GridLayout | None = field(default=None, repr=False, compare=False)  # see grid()
+    _pipelines: PipelinesLayout | None = field(default=None, repr=False, compare=False)  # see pipelines()
 
     @property
     def workers(self) -> list[int]:
@@ -58,6 +99,25 @@ class Plan:
             return None
         return g
 
+    def pipelines(self) -> PipelinesLayout | None:
+        """The heterogeneous pipelines this plan was built as (pipelines_plan); None for any
+        other plan, or once its ops, holds, partition or stage counts were replaced or a
+        worker's op list was handed out (it may have been changed)."""
+        p, ops = self._pipelines, self.schedule.ops
+        if p is None or p.holds is not self.holds or p.partition is not self.partition \
+                or p.stages is not self.schedule.stages or not isinstance(ops, GridOps) or ops.of is not p.records \
+                or len(ops.of) != p.size or ops._lists:
+            return None
+        return p
+
+    def nodes(self) -> frozenset:
+        """The nodes it runs on, kept (a plan is not changed once made; the run loop and the
+        strategy both ask, for 16,384 workers after each failure at scale)."""
+        found = self.__dict__.get("_nodes")
+        if found is None or found[0] is not self.node_of:
+            found = self._nodes = (self.node_of, frozenset(self.node_of.values()))
+        return found[1]
+
     def layers(self, pipeline: int, stage: int) -> LayerRange:
         return self.partition[pipeline][stage]
 
@@ -67,9 +127,7 @@ class Plan:
     @property
     def shape(self) -> str:
         """'pp=4 dp=2' (stage counts per pipeline when pipelines differ)."""
-        stages = set(self.schedule.stages)
-        pp = stages.pop() if len(stages) == 1 else "/".join(map(str, self.schedule.stages))
-        return f"pp={pp} dp={len(self.schedule.stages)}"
+        return _shape(tuple(self.schedule.stages))
 
     def on_workers(self, workers: list[int], node_of) -> "Plan":
         """The same plan with grid worker i placed on `workers[i]` (survivors, after a reshape)."""
@@ -95,12 +153,43 @@ class Plan:
     def key(self) -> tuple:
         """Hashable identity (the simulator memoises per key). The per-worker parts are packed
         into bytes: exact, and small next to thousands of tuples."""
+        if self._key is None and self.pipelines() is not None:
+            self._key = _pipelines_key(self, self.pipelines())
         if self._key is None:
             grid = self.grid()
             holds = _pack_grid_holds(grid) if grid is not None else None
+            nodes = _pack_grid_nodes(grid, self.node_of) if holds is not None else None
             self._key = (self.schedule.key(), self.partition, holds or _pack_holds(self.holds),
-                         _pack_nodes(self.node_of), self.staggered_optimizer, tuple(sorted(self.logged)))
+                         nodes or _pack_nodes(self.node_of), self.staggered_optimizer, tuple(sorted(self.logged)))
         return self._key
+
+
+def _pipelines_key(plan: Plan, layout: PipelinesLayout) -> tuple | None:
+    """Plan.key of a plan of pipelines_plan, from what fixes its ops, holds and placement:
+    the generator, each pipeline's stage and micro-batch counts and cut (by index into its
+    distinct cuts), its workers in stage order, and node_of (its workers and their nodes, in
+    its order); None where these cannot be packed (then the usual key)."""
+    schedule, partition = plan.schedule, plan.partition
+    ids = list(map(id, partition))
+    cuts: dict[tuple, int] = {}  # distinct cuts (by content) -> their index
+    index = {i: cuts.setdefault(partition[ids.index(i)], len(cuts)) for i in dict.fromkeys(ids)}
+    try:
+        shape = marshal.dumps((schedule.name, schedule.stages, schedule.microbatches, tuple(cuts)))
+        # pickled lists (of integers): exact, and made in bulk (array() converts one by one)
+        packed = [pickle.dumps(part, 5) for part in (layout.workers, list(plan.node_of), list(plan.node_of.values()),
+                                                      list(map(index.__getitem__, ids)))]
+    except (ValueError, TypeError, AttributeError, pickle.PicklingError):
+        return None
+    return ("pipelines", shape, *packed, plan.staggered_optimizer, tuple(sorted(plan.logged)))
+
+
+@lru_cache(maxsize=16)
+def _shape(stages: tuple[int, ...]) -> str:
+    """Plan.shape (kept: a run's records name the shape of each plan a few times, and Oobleck's
+    plans have thousands of pipelines)."""
+    distinct = set(stages)
+    pp = distinct.pop() if len(distinct) == 1 else "/".join(map(str, stages))
+    return f"pp={pp} dp={len(stages)}"
 
 
 def _by_worker(mapping: dict) -> dict:
@@ -113,7 +202,7 @@ def _pack_nodes(node_of: dict) -> bytes | tuple:
     """worker -> node, by worker, as bytes (exact for integers)."""
     node_of = _by_worker(node_of)
     try:
-        return b"n" + array("q", node_of).tobytes() + array("q", node_of.values()).tobytes()
+        return b"n" + int64_bytes(list(node_of)) + int64_bytes(list(node_of.values()))
     except (TypeError, OverflowError):  # not plain integers: keep them as they are
         return tuple(node_of.items())
 
@@ -139,11 +228,23 @@ def _pack_grid_holds(grid: GridLayout) -> bytes | None:
         return None
     n = len(workers)
     try:
-        ids = array("q", workers).tobytes()
+        ids = int64_bytes(workers)
     except (TypeError, OverflowError):
         return None
     return b"h" + b"|".join((array("q", [n]).tobytes(), ids, (array("q", [1]) * n).tobytes(),
                              _grid_tables(grid.pp, n // grid.pp)[1][:16 * n]))
+
+
+def _pack_grid_nodes(grid: GridLayout, node_of: dict) -> bytes | None:
+    """_pack_nodes(node_of) of a grid whose workers are in increasing order (as
+    _pack_grid_holds found them), from the nodes its builder kept when node_of is the
+    builder's dict (its keys are the workers, in order); None otherwise."""
+    if grid.nodes is None or grid.node_of is not node_of:
+        return None
+    try:
+        return b"n" + int64_bytes(grid.workers) + int64_bytes(grid.nodes)
+    except (TypeError, OverflowError):
+        return None
 
 
 # Per pp, the grid's replicas in grid order, as far as the largest dp asked for so far: the
@@ -152,6 +253,7 @@ _REPLICAS: dict[int, list[tuple[tuple[int, int]]]] = {}  # pp -> ((d, s),) in gr
 _PAIRS: dict[int, bytes] = {}  # pp -> d, s in grid order, as _pack_holds packs them
 # Per pipeline's row of template ids, its records (template id, pipeline) in grid order.
 _RECORDS: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+_PACKED: dict[tuple[int, ...], bytes] = {}  # the same, packed as Schedule.key packs records
 
 
 def _grid_tables(pp: int, dp: int) -> tuple[list, bytes]:
@@ -177,6 +279,15 @@ def _records(row: tuple[int, ...], first: int, end: int) -> list[tuple[int, int]
     if have < end:
         records.extend((tid, d) for d in range(have, end) for tid in row)
     return records[first * len(row):end * len(row)]
+
+
+def _packed_records(row: tuple[int, ...], first: int, end: int) -> bytes:
+    """_records(row, first, end) (called first) packed as Schedule.key packs them, a slice of
+    one table per row: a plan's key packs no record of its own."""
+    records, packed = _RECORDS[row], _PACKED.get(row)
+    if packed is None or len(packed) < 16 * len(records):
+        packed = _PACKED[row] = array("q", chain.from_iterable(records)).tobytes()
+    return packed[16 * first * len(row):16 * end * len(row)]
 
 
 @lru_cache(maxsize=64)
@@ -259,16 +370,28 @@ def generated_grid_plan(generator: str, pp: int, microbatches: tuple[int, ...], 
         return grid_plan(generate(generator, pp, counts, dp), stage_layers, pp, 1, node_of=node_of, workers=workers)
     one, rows = known
     first = 0  # pipelines with equal counts in a row share one slice of records
-    runs = []
+    runs, packed = [], []
     for d in range(1, dp + 1):
         if d == dp or counts[d] != counts[first]:
             runs.append(_records(rows[counts[first]], first, d))
+            packed.append(_packed_records(rows[counts[first]], first, d))
             first = d
-    schedule = Schedule(GridOps(one.ops.templates, dict(zip(placed, chain.from_iterable(runs))), run=pp),
-                        stages=(pp,) * dp, microbatches=counts, name=one.name)
+    ops = GridOps(one.ops.templates, _same_keys(holds, zip(placed, chain.from_iterable(runs))), run=pp,
+                  packed=b"".join(packed), plain=True)
+    schedule = Schedule(ops, stages=(pp,) * dp, microbatches=counts, name=one.name)
     partition = (stage_layers,) * dp
-    return Plan(schedule=schedule, partition=partition, holds=holds, node_of={w: node_of(w) for w in placed},
-                name=schedule.name, _grid=GridLayout(pp, placed, holds, partition, schedule.stages))
+    nodes = list(map(node_of, placed))
+    nodes_of = _same_keys(holds, zip(placed, nodes))
+    return Plan(schedule=schedule, partition=partition, holds=holds, node_of=nodes_of, name=schedule.name,
+                _grid=GridLayout(pp, placed, holds, partition, schedule.stages, nodes_of, nodes))
+
+
+def _same_keys(like: dict, pairs) -> dict:
+    """dict(pairs) for pairs whose keys are exactly those of `like`, in its order: a copy of
+    `like` updated, which at 16,384 workers takes half the time of building a dict."""
+    out = like.copy()
+    out.update(pairs)
+    return out
 
 
 def checkpoint_writers(plan: Plan) -> dict[int, int]:
@@ -289,24 +412,138 @@ def checkpoint_writers(plan: Plan) -> dict[int, int]:
 
 
 def pipelines_plan(generator: str, pipelines: list[tuple[list[int], tuple[LayerRange, ...], int]], node_of,
-                   name: str = "") -> Plan:
+                   name: str = "", like: Plan | None = None) -> Plan:
     """Heterogeneous pipelines (Oobleck): pipeline d runs on `workers` (one per stage, in stage
     order) with its own layer cut and micro-batch count, each under `generator`'s order; the
-    pipelines share one global batch (pipeline d's micro-batches follow pipeline d-1's)."""
-    ops: dict[int, list] = {}
-    stages, counts, partition = [], [], []
-    for d, (workers, cut, microbatches) in enumerate(pipelines):
+    pipelines share one global batch (pipeline d's micro-batches follow pipeline d-1's).
+
+    The ops are held lazily (GridOps): a worker's order is that of its stage in one pipeline
+    of its stage and micro-batch counts, made once per such pipeline, so a plan over
+    thousands of pipelines (one after every failure at scale) builds no op.
+
+    `like`: an earlier plan of pipelines_plan, whose node_of agrees with `node_of` on every
+    worker both have. Where the pipelines are like's, in the same order, each on the same
+    workers or on its workers less some (Oobleck after most failures: one pipeline shorter,
+    a few micro-batch counts moved), the plan is like's tables copied and changed only at the
+    pipelines that differ: the same plan, tables in the same order, without a pass over every
+    worker."""
+    lists, cuts, counts = map(list, zip(*pipelines)) if pipelines else ([], [], [])
+    return pipelines_plan_of(generator, lists, cuts, counts, node_of, name, like)
+
+
+def pipelines_plan_of(generator: str, lists: list[list[int]], cuts: list[tuple[LayerRange, ...]], counts, node_of,
+                      name: str = "", like: Plan | None = None) -> Plan:
+    """pipelines_plan with the pipelines given as columns: each one's workers, cut and
+    micro-batch count."""
+    stages, counts = tuple(map(len, cuts)), tuple(counts)
+    if list(map(len, lists)) != list(stages):
+        _first_error(list(zip(lists, cuts, counts)))
+    partition = tuple(map(tuple, cuts))
+    tables = _tables_like(like, generator, lists, stages, counts, partition) if like is not None else None
+    parent = changed = None
+    if tables is None:
+        shapes = list(zip(stages, counts))
+        templates, rows = _numbered_orders(generator, dict.fromkeys(shapes))
+        lists = list(map(list, lists))  # kept by the layout: the caller's may change
+        workers = list(chain.from_iterable(lists))
+        # (template id, pipeline) per worker, and its kept replica ((pipeline, stage),), pipeline by pipeline
+        records = map(zip, map(rows.__getitem__, shapes), map(repeat, range(len(shapes))))
+        of = dict(zip(workers, chain.from_iterable(records)))
+        if len(of) != len(workers):
+            _first_error(list(zip(lists, cuts, counts)))
+        holds = dict(zip(workers, chain.from_iterable(map(_own_replicas, range(len(stages)), stages))))
+        placed = dict(zip(workers, map(node_of, workers)))
+    else:
+        templates, workers, of, holds, placed, changed, lists = tables
+        parent = weakref.ref(like.pipelines())
+    schedule = Schedule(GridOps(templates, of), stages=stages, microbatches=counts, name=generator)
+    layout = PipelinesLayout(workers, [0, *accumulate(stages)], of, len(of), holds, partition, stages, lists, counts,
+                             parent, changed)
+    return Plan(schedule=schedule, partition=partition, holds=holds, node_of=placed, name=name or generator,
+                _pipelines=layout)
+
+
+def _tables_like(like: Plan, generator: str, lists: list[list[int]], stages: tuple[int, ...], counts: tuple[int, ...],
+                 partition: tuple) -> tuple | None:
+    """(orders, workers, records, holds, node_of, the pipelines that differ, each pipeline's
+    workers) of pipelines_plan made from `like`'s (see there); None where the pipelines are
+    not like's, each the same or less some workers, or the orders were numbered again."""
+    was = like.pipelines()
+    if was is None or like.schedule.name != generator or len(was.lists) != len(lists):
+        return None
+    differ = map(or_, map(or_, map(ne, lists, was.lists), map(ne, stages, was.stages)),  # (in bulk: thousands)
+                 map(or_, map(ne, counts, was.counts), map(is_not, partition, like.partition)))
+    changed = list(compress(range(len(lists)), differ))
+    templates, rows = _numbered_orders(generator, [(stages[d], counts[d]) for d in changed])
+    numbered = like.schedule.ops.templates
+    if numbered != templates[:len(numbered)]:
+        return None
+    workers, of, holds, placed = was.workers.copy(), was.records.copy(), was.holds.copy(), like.node_of.copy()
+    for d in changed:
+        now, before = lists[d], was.lists[d]
+        if now != before:
+            kept = set(now)
+            gone = [w for w in before if w not in kept]
+            if len(kept) != len(now) or len(before) - len(gone) != len(now) or [w for w in before if w in kept] != now:
+                return None  # not the same workers less some, in order
+            for w in gone:
+                workers.remove(w)
+                del of[w], holds[w], placed[w]
+            holds.update(zip(now, _own_replicas(d, len(now))))
+        of.update(zip(now, zip(rows[(stages[d], counts[d])], repeat(d))))
+    kept_lists = was.lists.copy()  # like's copies where the same, copies of the caller's where not
+    for d in changed:
+        kept_lists[d] = list(lists[d])
+    return templates, workers, of, holds, placed, changed, kept_lists
+
+
+def _numbered_orders(generator: str, shapes) -> tuple[tuple, dict]:
+    """(every order of pipelines of `generator` numbered so far, by id; (stages, micro-batches)
+    -> the template id of each of its stages), numbering the orders of new `shapes`. Ids are
+    kept from plan to plan (equal orders share one), so a plan made from an earlier one keeps
+    its workers' records; past ORDERS_KEPT orders the numbering starts again."""
+    orders, ids, rows = _ORDERS.setdefault(generator, ([], {}, {}))
+    shapes = list(dict.fromkeys(shapes))
+    new = [shape for shape in shapes if shape not in rows]
+    if new and len(orders) > ORDERS_KEPT:
+        orders.clear(), ids.clear(), rows.clear()
+        new = shapes
+    for shape in new:
+        row = []
+        for order in _pipeline_orders(generator, *shape):
+            if order not in ids:
+                ids[order] = len(orders)
+                orders.append(order)
+            row.append(ids[order])
+        rows[shape] = tuple(row)
+    return tuple(orders), rows
+
+
+ORDERS_KEPT = 2048
+_ORDERS: dict[str, tuple[list, dict, dict]] = {}  # generator -> (orders by id, order -> id, shape -> row)
+
+
+def _first_error(pipelines) -> None:
+    """Raise what is wrong with the first pipeline that has too few or too many workers, or
+    names a worker named before."""
+    seen: set[int] = set()
+    for d, (workers, cut, _) in enumerate(pipelines):
         if len(workers) != len(cut):
             raise ValueError(f"pipeline {d}: {len(cut)} stages on {len(workers)} workers")
-        one = generate(generator, len(cut), microbatches)
-        read = read_ops(one)
-        for s, w in enumerate(workers):
-            if w in ops:
+        for w in workers:
+            if w in seen:
                 raise ValueError(f"worker {w} is in two pipelines")
-            ops[w] = [op._replace(pipeline=d) for op in read(grid_worker(0, s, len(cut)))]
-        stages.append(len(cut))
-        counts.append(microbatches)
-        partition.append(tuple(cut))
-    schedule = Schedule(ops, stages=tuple(stages), microbatches=tuple(counts), name=generator)
-    return Plan(schedule=schedule, partition=tuple(partition), holds=holds_from_schedule(schedule),
-                node_of={w: node_of(w) for w in ops}, name=name or generator)
+            seen.add(w)
+
+
+@lru_cache(maxsize=256)
+def _pipeline_orders(generator: str, pp: int, microbatches: int) -> tuple[tuple, ...]:
+    """Per stage, the order of (kind, stage, micro-batch) one pipeline of `pp` stages runs."""
+    read = read_ops(generate(generator, pp, microbatches))
+    return tuple(tuple((k, s, m) for k, s, m, _ in read(grid_worker(0, stage, pp))) for stage in range(pp))
+
+
+@lru_cache(maxsize=1 << 16)
+def _own_replicas(pipeline: int, stages: int) -> tuple[tuple[tuple[int, int]], ...]:
+    """Per stage s, ((pipeline, s),): what the worker stepping it keeps (holds_from_schedule)."""
+    return tuple(((pipeline, s),) for s in range(stages))

@@ -12,12 +12,13 @@ B (input gradient) and W (weight gradient) and defers W into the cool-down bubbl
 from __future__ import annotations
 
 import marshal
+import struct
 from array import array
 from collections import Counter, defaultdict, deque
 from itertools import chain
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -128,7 +129,8 @@ class GridOps(MutableMapping):
     """
 
     def __init__(self, templates: tuple[Template, ...], of: dict[int, tuple[int, int | PartFlows]],
-                 lists: dict[int, list[Op]] | None = None, run: int | None = None):
+                 lists: dict[int, list[Op]] | None = None, run: int | None = None, packed: bytes | None = None,
+                 plain: bool | None = None):
         self.templates = templates  # template id -> its order
         # worker -> (template id, pipeline), or (template id, PartFlows) for a bound template;
         # every worker of the schedule, in order
@@ -138,6 +140,10 @@ class GridOps(MutableMapping):
         # A generated grid: `of` is pipelines 0, 1, ... in turn, each `run` workers in stage
         # order whose templates depend only on the pipeline's micro-batch count (None: unknown).
         self.run = run
+        # Every record's (template id, pipeline), packed as Schedule.key packs them, where the
+        # builder had them packed already (plan.generated_grid_plan); None once `of` changes.
+        self.packed = packed
+        self._plain = plain  # every record's pipeline a plain int (no PartFlows)? None: not known yet
 
     def __getitem__(self, w: int) -> list[Op]:
         ops = self._lists.get(w)
@@ -153,12 +159,14 @@ class GridOps(MutableMapping):
 
     def __setitem__(self, w: int, ops: list[Op]) -> None:
         self._lists[w] = ops
+        self.packed = self._plain = None
         if w not in self.of:
             self.of[w] = (-1, -1)
             self.run = None
 
     def __delitem__(self, w: int) -> None:
         del self.of[w]
+        self.packed = self._plain = None
         self._lists.pop(w, None)
         self.run = self._parts = None
 
@@ -166,7 +174,9 @@ class GridOps(MutableMapping):
         """({worker: (template id, pipeline)} of the workers still held as plain templates,
         [the other workers]: lists handed out, or bound templates), for readers that take the
         plain ones by template and read the others op by op."""
-        if not self._lists and not self._parts and all(type(d) is int for _, d in self.of.values()):
+        if self._plain is None:  # (checked in bulk, once: keys and coverage ask for 16,384 workers at scale)
+            self._plain = set(map(type, map(itemgetter(1), self.of.values()))) <= {int}
+        if not self._lists and not self._parts and self._plain:
             return self.of, []
         lazy, other = {}, []
         for w, record in self.of.items():
@@ -229,6 +239,16 @@ class GridOps(MutableMapping):
                        {to[w]: ops for w, ops in self._lists.items()}, self.run)
 
 
+def int64_bytes(values: list) -> bytes:
+    """array("q", values).tobytes() of a list of integers, packed in one call (a few times
+    faster for the 16,384 workers of a plan at scale); OverflowError where a value does not
+    fit (or is no integer)."""
+    try:
+        return struct.pack(f"{len(values)}q", *values)
+    except struct.error as err:
+        raise OverflowError(str(err)) from None
+
+
 def read_ops(schedule: "Schedule"):
     """w -> the worker's ops for reading, without building lazily held lists for good."""
     return getattr(schedule.ops, "read", schedule.ops.__getitem__)
@@ -287,7 +307,9 @@ class Schedule:
             lazy, other = ops.split_forms()
             given = tuple((w, tuple(tuple(op) for op in ops.read(w))) for w in sorted(other))
             try:  # the records as three arrays of integers: workers, template ids, pipelines
-                records = b"|".join((array("q", lazy).tobytes(), array("q", chain.from_iterable(lazy.values())).tobytes()))
+                pairs = ops.packed if lazy is ops.of and ops.packed is not None else \
+                    array("q", chain.from_iterable(lazy.values())).tobytes()
+                records = b"|".join((int64_bytes(list(lazy)), pairs))
             except (TypeError, OverflowError):
                 records = marshal.dumps(tuple(lazy.items()))
             return ("grid", marshal.dumps((self.stages, self.microbatches, ops.templates, given)), records)
@@ -528,11 +550,10 @@ def _grid_covered(schedule: Schedule) -> bool:
     run = ops.regular()
     if run is not None and len(ops.of) == run * len(schedule.stages):
         # a generated grid: pipeline d is the d-th run of workers, its templates set by its count
-        tids = [tid for tid, _ in ops.of.values()]
-        first = {}  # (stages, micro-batches) -> the first pipeline of that shape
-        for d, shape in enumerate(zip(schedule.stages, schedule.microbatches)):
-            first.setdefault(shape, d)
-        by_pipeline = {d: tids[d * run:(d + 1) * run] for d in first.values()}
+        records = list(ops.of.values())
+        shapes = list(zip(schedule.stages, schedule.microbatches))
+        first = {shape: shapes.index(shape) for shape in dict.fromkeys(shapes)}  # the first pipeline of each shape
+        by_pipeline = {d: [tid for tid, _ in records[d * run:(d + 1) * run]] for d in first.values()}
     else:
         by_pipeline = defaultdict(list)
         for tid, d in ops.of.values():
@@ -544,12 +565,19 @@ def _grid_covered(schedule: Schedule) -> bool:
         key = (tuple(tids), schedule.stages[d], schedule.microbatches[d])
         ok = checked.get(key)
         if ok is None:
-            one = Schedule({i: [Op(k, s, m, 0) for k, s, m in ops.templates[t]] for i, t in enumerate(key[0])},
-                           stages=(key[1],), microbatches=(key[2],))
-            ok = checked[key] = not _coverage_problems(one)
+            ok = checked[key] = _pipeline_covered(tuple(ops.templates[t] for t in key[0]), key[1], key[2])
         if not ok:
             return False
     return True
+
+
+@lru_cache(maxsize=256)
+def _pipeline_covered(orders: tuple[Template, ...], stages: int, microbatches: int) -> bool:
+    """Whether one pipeline whose workers run `orders` covers its shape (kept: strategies that
+    reshape after every failure check the same few pipelines plan after plan)."""
+    one = Schedule({i: [Op(k, s, m, 0) for k, s, m in order] for i, order in enumerate(orders)},
+                   stages=(stages,), microbatches=(microbatches,))
+    return not _coverage_problems(one)
 
 
 def dependency_graph(schedule: Schedule, present: set[int] | None = None,

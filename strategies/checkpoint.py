@@ -10,6 +10,8 @@ the measured (local) or modelled (sim) checkpoint cost.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
+from itertools import compress
 
 from ftbench.actions import FILE, RestartJob, RestoreCheckpoint
 from ftbench.cluster import Cluster
@@ -64,11 +66,11 @@ class CheckpointRestart:
         self.current = self.ctx.grid_plan(cluster.pp, cluster.dp, cluster.gpus_per_node, node_of=cluster.node_of)
         return self.current
 
-    def nodes_in_use(self) -> set[int]:
+    def nodes_in_use(self) -> frozenset[int]:
         cached = getattr(self, "_nodes_in_use", None)  # (plan, its nodes): plans are not changed once made
         if cached is None or cached[0] is not self.current:
-            cached = self._nodes_in_use = (self.current, frozenset(self.current.node_of.values()))
-        return set(cached[1])
+            cached = self._nodes_in_use = (self.current, self.current.nodes())
+        return cached[1]  # (kept, not copied: 16,384 nodes at scale)
 
     def checkpoint_interval(self, iteration_s: float, stall_s: float, persist_s: float) -> int:
         """Iterations between checkpoints: fixed, or Young/Daly for this job's MTBF."""
@@ -90,13 +92,33 @@ class CheckpointRestart:
         one go (thousands of workers after each failure at scale)."""
         ctx = self.ctx
         nodes = self.worker_nodes(cluster)  # cluster.node_of, looked up
-        return generated_grid_plan(ctx.schedule_name, pp, ctx.split_microbatches(dp),
-                                   ctx.cost_model.balanced_partition(pp), workers, nodes.__getitem__)
+        split = getattr(self, "_split", None)  # (dp, ctx.split_microbatches(dp)): the last one asked for
+        if split is None or split[0] != dp:
+            split = self._split = (dp, ctx.split_microbatches(dp))
+        return generated_grid_plan(ctx.schedule_name, pp, split[1], ctx.cost_model.balanced_partition(pp), workers,
+                                   nodes.__getitem__)
 
     def alive_workers(self, cluster: Cluster) -> list[int]:
-        """Workers on live nodes, in id order."""
+        """Workers on live nodes, in id order: the last call's list less the workers of the
+        nodes that failed since, where none came (back) meanwhile (a failure at scale takes a
+        few workers out of 16,384); else looked up afresh."""
         alive = cluster.alive
-        return [w for w, node in enumerate(self.worker_nodes(cluster)) if node in alive]
+        last = getattr(self, "_alive", None)  # (live nodes, their workers) at the last call
+        table = self.worker_nodes(cluster)  # cluster.node_of, looked up
+        if last is None or not alive <= last[0]:
+            workers = list(compress(range(len(table)), map(alive.__contains__, table)))  # (in bulk)
+        else:
+            workers = last[1]
+            gone = last[0] - alive
+            if gone:
+                workers = workers.copy()
+                for node in gone:
+                    for w in cluster.workers_on(node):
+                        i = bisect_left(workers, w)
+                        if i < len(workers) and workers[i] == w and table[w] == node:
+                            del workers[i]
+        self._alive = (alive, workers)
+        return workers
 
     def worker_nodes(self, cluster: Cluster) -> list[int]:
         """cluster.node_of(w) for every worker id w. The placement is physical and fixed for

@@ -84,12 +84,14 @@ class ElasticHorovod(CheckpointRestart):
         return held
 
     def _copies(self, old: Plan, new: Plan, up: set[int]):
-        """peer_copies(old, new) with the live workers `up`; () at once when every worker of
-        `new` is live and already holds each of its stages in `old` (as happens when whole
-        pipelines go: survivors keep their stage), which is what peer_copies would find."""
-        if _keeps_stages(old, new, up):
-            return ()
-        return peer_copies(old, new, up.__contains__, self.ctx.cost_model)
+        """peer_copies(old, new) with the live workers `up`, () when there is none. Between
+        grids peer_copies goes stage by stage; otherwise () at once when every worker of `new`
+        is live and already holds each of its stages in `old` (as happens when whole pipelines
+        go: survivors keep their stage), which is what peer_copies would find."""
+        if old.grid() is None or new.grid() is None:
+            if _keeps_stages(old, new, up):
+                return ()
+        return peer_copies(old, new, up.__contains__, self.ctx.cost_model) or ()
 
 
 def _keeps_stages(old: Plan, new: Plan, up: set[int]) -> bool:

@@ -19,13 +19,16 @@ one). Fewer live nodes than (f+1)*n0, or a layer no survivor holds, is unrecover
 from __future__ import annotations
 
 import warnings
+from functools import partial
+from itertools import chain, repeat
+from operator import attrgetter, contains
 
 from ftbench.actions import Rendezvous, SyncFromPeers
 from ftbench.errors import ConfigError, TooFewNodes
 from ftbench.failures import FailureEvent
-from ftbench.plan import Plan, pipelines_plan
-from ftbench.planning.oobleck import (STAGE_PER, Templates, Unrecoverable, grow, instantiate, reconfigure,
-                                      split_batch, template_range, uncovered)
+from ftbench.plan import Plan, pipelines_plan_of
+from ftbench.planning.oobleck import (STAGE_PER, Templates, Unrecoverable, grow, instantiate, pipelines_layer_copies,
+                                      reconfigure, split_batch, template_range, uncovered)
 from ftbench.strategies.base import Recovery
 from ftbench.transfers import layer_copies
 
@@ -59,6 +62,7 @@ class Oobleck:
         self.idle: list[int] = []  # live nodes in no pipeline (joined, waiting for enough to use)
         self.current: Plan | None = None
         self.coverage_gaps: list[int] = []
+        self._gpus_on: list[list[int]] | None = None  # see _placement
 
     # -- plan ---------------------------------------------------------------------------
     def plan(self, cluster) -> Plan:
@@ -113,23 +117,34 @@ class Oobleck:
     def _build(self, cluster, rule: str = "") -> Plan:
         """The plan of the current pipelines: each on its template, the batch split among them."""
         t = self.templates
-        lanes = t.lanes_of([len(p) for p in self.pipelines])
+        lanes = t.lanes_of(list(map(len, self.pipelines)))
         counts = split_batch(lanes, self.microbatches, self.split)
         if counts is None:
             raise Unrecoverable(f"{len(lanes)} pipelines (lanes) but only {self.microbatches} micro-batches")
-        specs, at = [], 0
-        for nodes in self.pipelines:
-            gpus = [cluster.workers_on(node) for node in nodes]
-            if t.lanes == 1:  # each GPU a stage
-                specs.append(([w for on_node in gpus for w in on_node], lanes[at].partition, counts[at]))
-                at += 1
-                continue
-            for lane in range(t.lanes):  # GPU `lane` of every node, one stage each
-                specs.append(([on_node[lane] for on_node in gpus], lanes[at].partition, counts[at]))
-                at += 1
-        shape = "+".join(str(len(p)) for p in self.pipelines)
+        gpus_on, node_of = self._placement(cluster)
+        if t.lanes == 1 and self._gpu_is_node:  # one GPU per node, numbered as its node: pipelines are their workers
+            workers = self.pipelines
+        elif t.lanes == 1:  # each GPU a stage: a pipeline's workers are its nodes' GPUs in order
+            workers = list(map(list, map(chain.from_iterable, map(partial(map, gpus_on.__getitem__), self.pipelines))))
+        else:  # GPU `lane` of every node, one stage each
+            workers = []
+            for nodes in self.pipelines:
+                gpus = list(map(gpus_on.__getitem__, nodes))
+                workers += ([on_node[lane] for on_node in gpus] for lane in range(t.lanes))
+        shape = "+".join(map(str, map(len, self.pipelines)))
         name = f"oobleck[{shape}]" + (f" after {rule}" if rule else "")
-        return pipelines_plan(self.ctx.schedule_name, specs, cluster.node_of, name=name)
+        # made from the current plan where only some pipelines changed (most failures)
+        return pipelines_plan_of(self.ctx.schedule_name, workers, list(map(attrgetter("partition"), lanes)), counts,
+                                 node_of.__getitem__, name=name, like=self.current)
+
+    def _placement(self, cluster) -> tuple[list[list[int]], dict[int, int]]:
+        """(the workers on each node of the job, each one's node), as the cluster places them;
+        made once (the placement is physical, fixed by the configured grid), not per plan."""
+        if self._gpus_on is None or len(self._gpus_on) != cluster.nodes:
+            self._gpus_on = [cluster.workers_on(node) for node in range(cluster.nodes)]
+            self._node_of = {w: cluster.node_of(w) for on_node in self._gpus_on for w in on_node}
+            self._gpu_is_node = all(on_node == [node] for node, on_node in enumerate(self._gpus_on))
+        return self._gpus_on, self._node_of
 
     # -- membership ---------------------------------------------------------------------
     def on_event(self, event: FailureEvent, cluster, iteration: int) -> Recovery:
@@ -139,7 +154,7 @@ class Oobleck:
         if node in self.idle:
             self.idle.remove(node)
             return Recovery()
-        if not any(node in p for p in self.pipelines):
+        if not self._runs(node):
             return Recovery()  # a node outside the job (a standby)
         live = sum(map(len, self.pipelines)) - 1 + len(self.idle)
         least = (self.f + 1) * self.n0
@@ -162,13 +177,25 @@ class Oobleck:
         some layer is unrecoverable (Oobleck keeps no checkpoint)."""
         old, before, idle_before = self.current, self.pipelines, self.idle
         new = self.plan(cluster)
-        alive = cluster.alive
-        copies, orphaned = layer_copies(old, new, lambda w: cluster.node_of(w) in alive, self.ctx.cost_model)
+        copies, orphaned = self._copies(old, new, cluster)
         if orphaned:
             self.current, self.pipelines, self.idle = old, before, idle_before
             return Recovery(unrecoverable=f"no surviving worker holds unit {orphaned[0][0]} of the model after the "
                             "wait for nodes (units: 0 the embeddings, 1..L the blocks, L+1 the head)")
         return Recovery(actions=[Rendezvous(), SyncFromPeers(copies)], plan=new)
+
+    def _copies(self, old: Plan, new: Plan, cluster):
+        """Every layer a worker of `new` lacks, copied from a live holder in `old` (layer_copies;
+        for two plans of pipelines, looking only at the pipelines that changed)."""
+        alive = cluster.alive
+        found = pipelines_layer_copies(old, new, alive, self.ctx.cost_model)
+        if found is None:
+            found = layer_copies(old, new, lambda w: cluster.node_of(w) in alive, self.ctx.cost_model)
+        return found
+
+    def _runs(self, node: int) -> bool:
+        """Whether some pipeline has the node."""
+        return any(map(contains, self.pipelines, repeat(node)))
 
     def _valid(self, nodes: int) -> bool:
         return self.templates.get(nodes) is not None
@@ -178,7 +205,7 @@ class Oobleck:
         return self.microbatches // self.templates.lanes
 
     def _join(self, node: int, cluster) -> Recovery:
-        if node >= cluster.nodes or any(node in p for p in self.pipelines) or node in self.idle:
+        if node >= cluster.nodes or self._runs(node) or node in self.idle:
             return Recovery()
         pipelines, idle = grow(self.pipelines, self.idle + [node], self.n0, self._valid, self._most_pipelines())
         if pipelines == self.pipelines:
@@ -195,8 +222,7 @@ class Oobleck:
         except Unrecoverable as why:
             self.pipelines, self.idle = before, idle_before
             return Recovery(unrecoverable=str(why))
-        alive = cluster.alive
-        copies, orphaned = layer_copies(old, new, lambda w: cluster.node_of(w) in alive, self.ctx.cost_model)
+        copies, orphaned = self._copies(old, new, cluster)
         if orphaned:
             self.pipelines, self.idle = before, idle_before
             return Recovery(unrecoverable=f"no surviving worker holds unit {orphaned[0][0]} of the model "

@@ -34,12 +34,27 @@ the slowest one; pipeline p with B micro-batches takes about a_p + b_p*B (1F1B: 
 drain, then one slowest stage per micro-batch). A MILP (pulp/CBC) for small instances; a
 greedy fill, which gives each next micro-batch to the pipeline that would finish it first
 (optimal for a max of non-decreasing costs), for large ones. Every pipeline gets at least one.
+
+**At scale.** A job of 16,384 GPUs has thousands of pipelines and thousands of failures, each
+of which changes one or two pipelines. The fill is computed per template, not micro-batch by
+micro-batch; the rules copy only the pipelines they change; the layers copied after a
+failure are looked for only in the pipelines that changed (`pipelines_layer_copies`). Each
+gives exactly what its straightforward form gives (tests/test_oobleck_scale.py).
 """
 from __future__ import annotations
 
+import struct
+import weakref
+from collections import Counter
+from bisect import bisect_left, insort
 from dataclasses import dataclass
+from itertools import chain, compress, count, repeat
+from operator import add, and_, eq, gt, not_
 
 from ftbench.costs import ADAM_STATE_BYTES_PER_PARAM
+from ftbench.layers import stage_units
+from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM
+from ftbench.transfers import _piece, _subtract
 
 STAGE_PER = ("gpu", "node")  # strategy.stage_per
 MILP_MAX_PIPELINES = 24  # larger batch splits use the greedy fill (equal optimum, no solver)
@@ -107,7 +122,10 @@ class Templates:
 
     def lanes_of(self, combo) -> list[Template]:
         """The templates of pipelines of these sizes, once per lane (what a batch split splits over)."""
-        return [self.get(n) for n in combo for _ in range(self.lanes)]
+        for n in set(combo):
+            self.get(n)
+        one = list(map(self._made.__getitem__, combo))
+        return one if self.lanes == 1 else list(chain.from_iterable(map(repeat, one, repeat(self.lanes))))
 
     def _make(self, nodes: int) -> Template | None:
         stages = nodes * self.stages_per_node
@@ -205,7 +223,74 @@ def split_batch(templates: list[Template], microbatches: int, solver: str = "aut
 
 def split_greedy(templates: list[Template], microbatches: int) -> tuple[int, ...]:
     """One micro-batch each, then each next one to the pipeline that would finish it earliest
-    (ties: the lowest index); pipelines of the same template take turns."""
+    (ties: the lowest index); pipelines of the same template take turns.
+
+    The fill hands out the M - P smallest *slots* (pipeline p's k-th micro-batch, k >= 2, at
+    time a_p + b_p*k), ordered by (time, p): a pipeline's slots come in increasing time, so
+    the heap of `split_greedy_heap` pops exactly them, in that order. They are found here
+    without handing them out one by one (131,072 micro-batches over thousands of pipelines
+    at 16,384 GPUs, after every failure): pipelines with equal (a, b) have equal slots, the
+    time of the last slot handed out is found by bisection over the floats, and the slots at
+    exactly that time go to the lowest indices."""
+    extra = microbatches - len(templates)
+    if extra <= 0:
+        return (1,) * len(templates)
+    ids = list(map(id, templates))
+    distinct = dict.fromkeys(ids)
+    # (usually a few distinct templates among thousands of pipelines: each found and counted in bulk)
+    first, size = (dict(zip(ids, templates)), Counter(ids)) if len(distinct) > 64 else \
+        ({i: templates[ids.index(i)] for i in distinct}, {i: ids.count(i) for i in distinct})
+    lines: dict[tuple[float, float], list[int]] = {}  # (a, b) -> the ids of its templates
+    for i in distinct:
+        lines.setdefault((first[i].fill_s, first[i].per_microbatch_s), []).append(i)
+    kinds = [(a, b, sum(map(size.__getitem__, group))) for (a, b), group in lines.items()]
+
+    def handed(limit: float) -> int:  # slots at or before `limit`
+        return sum(n * _slots_by(a, b, limit) for a, b, n in kinds)
+
+    lo, hi = 0, _bits(max(a + b * (extra + 1) for a, b, _ in kinds))  # handed(0.0) = 0 < extra <= handed(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if handed(_float(mid)) >= extra:
+            hi = mid
+        else:
+            lo = mid
+    before, last = _float(lo), _float(hi)  # adjacent floats: the last slot handed out is at `last`
+    each, tied = {}, []  # per template id: its pipelines' count so far; the ids with a slot at exactly `last`
+    for (a, b), group in lines.items():
+        k = _slots_by(a, b, before)
+        each.update(dict.fromkeys(group, 1 + k))
+        if a + b * (k + 2) == last:
+            tied += group
+    counts = list(map(each.__getitem__, ids))
+    if tied:  # the slots at `last` still to hand out go to the lowest indices among them
+        ties = sorted(chain.from_iterable(compress(range(len(ids)), map(eq, ids, repeat(i))) for i in tied))
+        for p in ties[:extra - handed(before)]:
+            counts[p] += 1
+    return tuple(counts)
+
+
+def _slots_by(a: float, b: float, limit: float) -> int:
+    """How many k >= 2 have a + b*k <= limit (computed as Template.time computes it)."""
+    k = max(int((limit - a) / b), 1)
+    while a + b * (k + 1) <= limit:
+        k += 1
+    while k >= 2 and a + b * k > limit:
+        k -= 1
+    return k - 1
+
+
+def _bits(x: float) -> int:
+    """The order of a non-negative float among the floats, as an integer."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def split_greedy_heap(templates: list[Template], microbatches: int) -> tuple[int, ...]:
+    """split_greedy handing out the micro-batches one at a time from a heap (the reference)."""
     import heapq
 
     counts = [1] * len(templates)
@@ -389,29 +474,65 @@ def reconfigure(pipelines: list[list[int]], lost: set[int], n0: int, valid) -> t
     size that has one; shed nodes first fill short pipelines, then wait as idle nodes.
     Returns (pipelines, the last rule used: "template", "borrow" or "merge", idle nodes);
     raises Unrecoverable when the nodes cannot form one pipeline of n0."""
-    kept = [[n for n in p if n not in lost] for p in pipelines]
-    kept = [p for p in kept if p]
+    lost = set(lost)
+    kept = list(pipelines)  # the pipelines given, each copied before it changes (_Changing)
+    changing = _Changing(kept)
+    for i in compress(count(), map(not_, map(lost.isdisjoint, kept))):  # the pipelines that lost nodes
+        kept[i] = [n for n in kept[i] if n not in lost]
+        changing.copied.add(i)
+    if not all(kept):  # a pipeline lost every node: the others move up (copied, as the index changed)
+        kept = [list(p) for p in kept if p]
+        changing = _Changing(kept, set(range(len(kept))))
     if sum(map(len, kept)) < n0:
         raise Unrecoverable(f"{sum(map(len, kept))} nodes are left, fewer than one pipeline's n0 = {n0}")
     spare: list[int] = []
-    for p in kept:
-        _shed(p, n0, valid, spare)
+    sizes = list(map(len, kept))  # kept in step with `kept`
+    invalid = {m for m in set(sizes) if m > n0 and not valid(m)}
+    for i in compress(count(), map(invalid.__contains__, list(sizes))):  # in order, as shedding every pipeline
+        _shed(changing(i), n0, valid, spare)
+        sizes[i] = len(kept[i])
     rule = "template"
-    for short in [p for p in kept if len(p) < n0]:
+    for i in compress(count(), map(gt, repeat(n0), list(sizes))):  # the short pipelines, in order
+        short = changing(i)
         while len(short) < n0 and spare:
             short.append(spare.pop(0))
         while len(short) < n0:
-            donors = [p for p in kept if len(p) > n0 and valid(len(p) - 1)]
-            if not donors:
+            donor = _donor(sizes, n0, valid)
+            if donor is None:
                 break
-            donor = max(reversed(donors), key=len)  # the largest; the last of equals
-            short.append(donor.pop())
+            short.append(changing(donor).pop())
+            sizes[donor] -= 1
             rule = "borrow"
-    if any(len(p) < n0 for p in kept):
-        kept, rule = _merge(kept, n0), "merge"
+        sizes[i] = len(short)
+    if min(sizes) < n0:
+        kept, rule = _merge(list(map(list, kept)), n0), "merge"
         for p in kept:
             _shed(p, n0, valid, spare)  # n0 has a template: shedding always ends on one
     return kept, rule, spare
+
+
+class _Changing:
+    """kept[i], copied the first time it is asked for (reconfigure changes a few pipelines of
+    thousands: the others stay the lists given)."""
+
+    def __init__(self, kept: list[list[int]], copied: set[int] | None = None):
+        self.kept, self.copied = kept, set() if copied is None else copied
+
+    def __call__(self, i: int) -> list[int]:
+        if i not in self.copied:
+            self.kept[i] = list(self.kept[i])
+            self.copied.add(i)
+        return self.kept[i]
+
+
+def _donor(sizes: list[int], n0: int, valid) -> int | None:
+    """The pipeline that lends a node: the largest of those with more than n0 nodes whose
+    size one smaller has a template, the last of equals; None if none can."""
+    lend = [m for m in set(sizes) if m > n0 and valid(m - 1)]
+    if not lend:
+        return None
+    largest = max(lend)
+    return len(sizes) - 1 - sizes[::-1].index(largest)
 
 
 def _shed(pipeline: list[int], n0: int, valid, spare: list[int]) -> None:
@@ -443,14 +564,184 @@ def grow(pipelines: list[list[int]], idle: list[int], n0: int, valid,
     """Idle (joined or shed) nodes: n0 of them together start a new pipeline (while there are
     fewer than `most`: one micro-batch each at least); fewer each go to the shortest pipeline
     whose size one larger has a template. (pipelines, still idle)."""
-    pipelines = [list(p) for p in pipelines]
+    pipelines = list(map(list, pipelines))
     idle = list(idle)
     while len(idle) >= n0 and (most is None or len(pipelines) < most):
         pipelines.append(idle[:n0])
         idle = idle[n0:]
+    sizes = list(map(len, pipelines))
     while idle:
-        room = [p for p in pipelines if valid(len(p) + 1)]
+        room = [m for m in set(sizes) if valid(m + 1)]
         if not room:
             break
-        min(room, key=len).append(idle.pop(0))
+        i = sizes.index(min(room))  # the shortest with room, the first of equals
+        pipelines[i].append(idle.pop(0))
+        sizes[i] += 1
     return pipelines, idle
+
+
+# -- re-instantiation copies ------------------------------------------------------------------
+def pipelines_layer_copies(old, new, alive_nodes, cost_model):
+    """ftbench.transfers.layer_copies(old, new, alive, cost_model) with alive(w) = the node of
+    w (in `old`) is in `alive_nodes`, for two plans of pipelines_plan whose every worker of
+    `new` is alive; None for any other pair (then layer_copies it is).
+
+    layer_copies looks at every worker of both plans; after a failure that re-cuts one
+    pipeline, only that pipeline's workers lack layers. A pipeline of `new` on the same
+    workers, in the same order and with the same cut as one of `old` lacks nothing, so only
+    the others' workers are looked at (those `new` was made from `old` without, when it was),
+    in worker order as layer_copies takes them. A piece's source is the holder that has sent
+    the fewest bytes so far, the lowest id among equals: the lowest-id live holder that has
+    sent nothing, if any (from `old`'s holders of the piece's first unit, by cut and stage,
+    kept sorted), else the least-sent of those that have sent. Returns (copies, unit runs no
+    live worker holds)."""
+    was, now = old.pipelines(), new.pipelines()
+    if was is None or now is None or not alive_nodes.issuperset(new.node_of.values()):
+        return None
+    n = cost_model.spec.layers
+    lacking = sorted(_lacking(old, new, was, now, n))
+    holders = _Holders(old, was, alive_nodes, n)
+    sent: dict[int, float] = {}  # bytes sent so far, by the holders that sent any
+    copies, orphaned = [], []
+    for w, runs in lacking:
+        for a, b in runs:
+            u = a
+            while u < b:
+                found = holders.least_sent(u, sent)
+                if found is None:
+                    orphaned.append((u, u + 1))
+                    u += 1
+                    continue
+                src, hi = found
+                end = min(hi, b)
+                nbytes = CHECKPOINT_BYTES_PER_PARAM * cost_model.unit_params((u, end))
+                sent[src] = sent.get(src, 0.0) + nbytes
+                copies.append(_piece((u, end), n, src, w, nbytes))
+                u = end
+    return tuple(copies), orphaned
+
+
+def _lacking(old, new, was, now, n: int):
+    """(worker, the unit runs of its new stage it did not hold) of every worker of `new` that
+    lacks some, skipping pipelines that `old` ran alike (the same workers in order, the same
+    cut): those `new` was made from `old` without changing, or else found at once among those
+    at the same index, and else by a pipeline's first worker."""
+    old_holds, old_stages = old.holds, old.schedule.stages
+    changed = now.changed_from(was)
+    if changed is None:
+        changed = compress(count(), map(not_, _alike(old, new, was, now)))
+    for d in changed:
+        workers, cut = now.lists[d], new.partition[d]
+        held = old_holds.get(workers[0])
+        if held is not None and len(held) == 1 and held[0][1] == 0:
+            e = held[0][0]
+            if old.partition[e] == cut and was.lists[e] == workers:
+                continue
+        for s, w in enumerate(workers):
+            want = stage_units(cut[s], s == 0, s == len(cut) - 1, n)
+            have = [stage_units(old.partition[e][t], t == 0, t == old_stages[e] - 1, n)
+                    for e, t in old_holds.get(w, ())]
+            runs = _subtract(want, have)
+            if runs:
+                yield w, runs
+
+
+def _alike(old, new, was, now) -> list[bool]:
+    """Per pipeline of `new`: whether the pipeline of `old` at its index ran on the same
+    workers in the same order with the same cut."""
+    k = min(len(was.lists), len(now.lists))
+    same = list(map(and_, map(eq, now.lists[:k], was.lists[:k]), map(eq, new.partition[:k], old.partition[:k])))
+    return same + [False] * (len(now.lists) - k)
+
+
+class _Holders:
+    """The live holders of each unit in a pipelines plan: per cut and stage, the workers at
+    that stage of the pipelines of that cut, sorted (_holder_index). A piece's source is the
+    least (bytes sent, id); a holder that has sent, or is dead, is never again the lowest of
+    those that have sent nothing, so a cursor per list only moves on."""
+
+    def __init__(self, plan, layout, alive_nodes, n: int):
+        self.plan, self.alive = plan, alive_nodes
+        self.index = _holder_index(layout, n)
+        self.at: dict[tuple, int] = {}  # (cut, stage) -> the first position that may still be picked
+
+    def least_sent(self, unit: int, sent: dict) -> tuple[int, int] | None:
+        """(the source for a piece starting at `unit`, the end of the units it holds), or None
+        when no live worker holds the unit."""
+        node_of, alive, at = self.plan.node_of, self.alive, self.at
+        best = None
+        for cut, ranges in self.index.units.items():
+            s = self.index.stage_at[cut][unit] if unit < len(self.index.stage_at[cut]) else None
+            if s is None:
+                continue
+            workers = self.index.sorted[(cut, s)]
+            i = at.get((cut, s), 0)
+            while i < len(workers) and (workers[i] in sent or node_of[workers[i]] not in alive):
+                i += 1
+            at[(cut, s)] = i
+            if i < len(workers) and (best is None or workers[i] < best[0]):
+                best = (workers[i], ranges[s][1])
+        if best is not None:
+            return best
+        # every live holder has sent something: the least (bytes, id) of them
+        least = None
+        for w, nbytes in sent.items():
+            if node_of.get(w) in alive and w in self.plan.holds:
+                for e, t in self.plan.holds[w]:
+                    lo, hi = self.index.units[self.plan.partition[e]][t]
+                    if lo <= unit < hi and (least is None or (nbytes, w) < least[0]):
+                        least = ((nbytes, w), (w, hi))
+        return None if least is None else least[1]
+
+
+class _HolderIndex:
+    """A pipelines plan's holders by cut and stage (see _Holders)."""
+
+    def __init__(self, units: dict, sorted_: dict):
+        self.units = units  # cut -> each stage's units
+        self.sorted = sorted_  # (cut, stage) -> the workers at that stage of the pipelines of that cut, sorted
+        self.stage_at = {cut: [s for s, (lo, hi) in enumerate(ranges) for _ in range(lo, hi)]
+                         for cut, ranges in units.items()}  # cut -> unit -> its stage
+
+
+_HOLDER_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layout -> its _HolderIndex
+
+
+def _holder_index(layout, n: int) -> _HolderIndex:
+    """The holder index of a pipelines plan's layout: made from its parent's where it was
+    made from an earlier plan (moving only the workers of the pipelines that changed), else
+    from every pipeline."""
+    found = _HOLDER_INDEXES.get(layout)
+    if found is not None:
+        return found
+    parent = layout.parent() if layout.parent is not None else None
+    earlier = _HOLDER_INDEXES.get(parent) if parent is not None else None
+    if earlier is not None:
+        units, lists = dict(earlier.units), {key: list(workers) for key, workers in earlier.sorted.items()}
+        for d in layout.changed:
+            for cut, workers, drop in ((parent.partition[d], parent.lists[d], True),
+                                       (layout.partition[d], layout.lists[d], False)):
+                if cut not in units:
+                    units[cut] = [stage_units(layers, s == 0, s == len(cut) - 1, n) for s, layers in enumerate(cut)]
+                for s, w in enumerate(workers):
+                    at = lists.setdefault((cut, s), [])
+                    if drop:
+                        del at[bisect_left(at, w)]
+                    else:
+                        insort(at, w)
+        for cut in [cut for cut, ranges in units.items() if not any(lists.get((cut, s)) for s in range(len(ranges)))]:
+            del units[cut]  # no pipeline has this cut any more
+        found = _HolderIndex(units, lists)
+    else:
+        ids = list(map(id, layout.partition))
+        starts: dict[tuple, list[int]] = {}  # cut -> the first worker's index of each pipeline of that cut
+        for i, cut in dict(zip(ids, layout.partition)).items():
+            starts.setdefault(cut, []).extend(compress(layout.bounds, map(eq, ids, repeat(i))))
+        units = {cut: [stage_units(layers, s == 0, s == len(cut) - 1, n) for s, layers in enumerate(cut)]
+                 for cut in starts}
+        workers = layout.workers
+        lists = {(cut, s): sorted(map(workers.__getitem__, map(add, firsts, repeat(s))))
+                 for cut, firsts in starts.items() for s in range(len(cut))}
+        found = _HolderIndex(units, lists)
+    _HOLDER_INDEXES[layout] = found
+    return found

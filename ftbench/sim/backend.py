@@ -5,6 +5,9 @@ and turns a plan that does not fit the GPUs' memory into an `oom` result.
 """
 from __future__ import annotations
 
+from itertools import compress, repeat
+from operator import gt
+
 from ftbench.actions import (Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
                              UndoSteps, WaitForReplacement)
 from ftbench.errors import ResultError
@@ -84,20 +87,19 @@ class SimBackend:
         return problem
 
     def _check_memory(self, result: SimResult, extra: dict | None = None) -> str | None:
-        peaks, kept = result.peak_memory_bytes, self._peak
+        workers, peaks = _peak_columns(result)
         if extra:
-            peaks = {w: peak + extra.get(w, 0.0) for w, peak in peaks.items()}
-        get = kept.get
-        for w, peak in peaks.items():  # kept[w] = max(kept.get(w, 0.0), peak), written only where it changes
-            old = get(w, 0.0)
-            if peak > old:
-                kept[w] = peak
-            elif w not in kept:
-                kept[w] = old
-        peak = max(peaks.values())
+            peaks = [peak + extra.get(w, 0.0) for w, peak in zip(workers, peaks)]
+        # kept[w] = max(kept.get(w, 0.0), peak), in bulk (16,384 workers a plan at scale):
+        # workers seen for the first time go last, in order, then every peak above its kept one
+        kept = self._peak
+        if min(peaks, default=0.0) <= 0.0 and not all(map(kept.__contains__, workers)):  # (else all go in below)
+            kept.update((w, peak if peak > 0.0 else 0.0) for w, peak in zip(workers, peaks) if w not in kept)
+        kept.update(compress(zip(workers, peaks), map(gt, peaks, map(kept.get, workers, repeat(0.0)))))
+        peak = max(peaks)
         if peak <= self.ctx.cost_model.memory_bytes:
             return None
-        worker = next(w for w, p in peaks.items() if p == peak)  # the first at the peak, as max(key=) picks
+        worker = workers[peaks.index(peak)]  # the first at the peak, as max(key=) picks
         act = result.peak_activation_bytes[worker]
         hw = self.ctx.hardware
         kept_extra = (extra or {}).get(worker, 0.0)
@@ -111,3 +113,13 @@ class SimBackend:
 
     def finish(self) -> None:
         pass
+
+
+def _peak_columns(result: SimResult) -> tuple[list[int], list[float]]:
+    """(workers, their peak bytes) of a result, in its order (a grid's result has them without
+    making its dict: ftbench.sim.grid.GridResult)."""
+    columns = getattr(result, "peak_columns", None)
+    if columns is not None:
+        return columns()
+    peaks = result.peak_memory_bytes
+    return list(peaks), list(peaks.values())

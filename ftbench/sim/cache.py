@@ -5,11 +5,14 @@ from __future__ import annotations
 import hashlib
 import marshal
 from collections import OrderedDict
+from itertools import repeat
 
 from ftbench.costs import PlanCosts
 from ftbench.plan import Plan
 from ftbench.recovery_costs import logging_stall_s
 from ftbench.schedule import check_coverage
+from ftbench.sim.grid import GridTimer
+from ftbench.sim.pipelines import PipelinesTimer
 from ftbench.sim.simulator import SimResult, simulate
 
 # Results kept, least recently used first out, up to this many workers in all (a result holds
@@ -28,6 +31,8 @@ class SimCache:
         self._seen: set = set()  # every distinct plan simulated (its key's digest)
         self._by_id: OrderedDict[int, tuple[Plan, SimResult]] = OrderedDict()
         self.simulations = 0
+        self._grids = GridTimer(cost_model)  # generated grids: from one pipeline of each kind
+        self._pipelines = PipelinesTimer(cost_model)  # heterogeneous pipelines (oobleck): from their kinds
 
     def __call__(self, plan: Plan) -> SimResult:
         hit = self._by_id.get(id(plan))
@@ -37,8 +42,12 @@ class SimCache:
         key = plan.key() if self.enabled else None
         result = self._results.get(key) if self.enabled else None
         if result is None:
-            check_coverage(plan.schedule)  # a strategy's plan must train every micro-batch once
-            result = simulate(plan.schedule, PlanCosts(self.cost_model, plan), staggered=plan.staggered_optimizer)
+            if not (self.enabled and self._pipelines.covered(plan)):  # (plans of pipelines: shape by shape)
+                check_coverage(plan.schedule)  # a strategy's plan must train every micro-batch once
+            # (memoize=false keeps the plain path: the reference for the grid timer)
+            result = (self._grids(plan) if self.enabled else None) or \
+                (self._pipelines(plan) if self.enabled else None) or \
+                simulate(plan.schedule, PlanCosts(self.cost_model, plan), staggered=plan.staggered_optimizer)
             if plan.logged:  # Swift's log writes, where storage cannot keep up with training
                 result.iteration_time += logging_stall_s(plan, self.cost_model, result.iteration_time)
             self.simulations += 1
@@ -54,20 +63,27 @@ class SimCache:
     def _keep(self, key: tuple, result: SimResult) -> None:
         self._seen.add(_digest(key))
         self._results[key] = result
-        self._kept_workers += len(result.busy)
+        self._kept_workers += _workers(result)
         while self._kept_workers > KEEP_WORKERS and len(self._results) > 1:
             _, old = self._results.popitem(last=False)  # simulated again if it comes back
-            self._kept_workers -= len(old.busy)
+            self._kept_workers -= _workers(old)
 
     @property
     def distinct_plans(self) -> int:
         return len(self._seen) if self.enabled else self.simulations
 
 
+def _workers(result: SimResult) -> int:
+    """How many workers a result has figures for (a GridResult knows without building them)."""
+    count = getattr(result, "worker_count", None)
+    return len(result.busy) if count is None else count
+
+
 def _digest(key: tuple):
-    """A small stand-in for a plan key, for counting: its BLAKE2b digest where the key is plain
-    data (a grid's packed key, whose bytes parts go in as they are), else the key itself."""
-    h = hashlib.blake2b(digest_size=32)
+    """A small stand-in for a plan key, for counting: its SHA-256 digest where the key is plain
+    data (a grid's packed key, whose bytes parts go in as they are), else the key itself.
+    (SHA-256, which CPUs compute in hardware: a megabyte per plan of 16,384 workers.)"""
+    h = hashlib.sha256()
     try:
         for part in _parts(key):
             if part is _OPEN or part is _CLOSE:
@@ -89,7 +105,7 @@ def _parts(key: tuple):
     """A key's parts, a tuple holding bytes opened (between _OPEN and _CLOSE) so that its
     bytes are not copied into one marshalled string."""
     for part in key:
-        if isinstance(part, tuple) and any(isinstance(p, bytes) for p in part):
+        if isinstance(part, tuple) and any(map(isinstance, part, repeat(bytes))):
             yield _OPEN
             yield from _parts(part)
             yield _CLOSE
