@@ -5,7 +5,6 @@ Strategies produce plans; backends execute them. A plan is data, so it can be ha
 """
 from __future__ import annotations
 
-import marshal
 import pickle
 import weakref
 from array import array
@@ -15,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from operator import is_not, ne, or_
 
-from ftbench.schedule import OPT, GridOps, Schedule, generate, grid_worker, int64_bytes, read_ops
+from ftbench.schedule import OPT, GridOps, Schedule, generate, grid_worker, int64_bytes, key_bytes, read_ops
 
 LayerRange = tuple[int, int]  # [first, end) transformer blocks
 
@@ -174,7 +173,7 @@ def _pipelines_key(plan: Plan, layout: PipelinesLayout) -> tuple | None:
     cuts: dict[tuple, int] = {}  # distinct cuts (by content) -> their index
     index = {i: cuts.setdefault(partition[ids.index(i)], len(cuts)) for i in dict.fromkeys(ids)}
     try:
-        shape = marshal.dumps((schedule.name, schedule.stages, schedule.microbatches, tuple(cuts)))
+        shape = key_bytes((schedule.name, schedule.stages, schedule.microbatches, tuple(cuts)))
         # pickled lists (of integers): exact, and made in bulk (array() converts one by one)
         packed = [pickle.dumps(part, 5) for part in (layout.workers, list(plan.node_of), list(plan.node_of.values()),
                                                       list(map(index.__getitem__, ids)))]

@@ -239,6 +239,14 @@ class GridOps(MutableMapping):
                        {to[w]: ops for w, ops in self._lists.items()}, self.run)
 
 
+def key_bytes(value) -> bytes:
+    """`value` (nested tuples of numbers and strings) as bytes for a key: marshal's format 2,
+    which writes equal values alike. Formats 3 and later write an object met twice as a
+    back-reference only when something else also holds it, so equal keys could differ with
+    what caches happen to share (seen: a grid plan's key unequal to its own rebuild's)."""
+    return marshal.dumps(value, 2)
+
+
 def int64_bytes(values: list) -> bytes:
     """array("q", values).tobytes() of a list of integers, packed in one call (a few times
     faster for the 16,384 workers of a plan at scale); OverflowError where a value does not
@@ -298,10 +306,10 @@ class Schedule:
         ops = self.ops
         parts = ops.parts() if isinstance(ops, GridOps) else None
         if parts is not None:  # bound templates: per part its flows, and (worker, template) records
-            flows = marshal.dumps(tuple((tuple(f.pipelines), tuple(map(tuple, f.microbatches))) for f, _ in parts))
+            flows = key_bytes(tuple((tuple(f.pipelines), tuple(map(tuple, f.microbatches))) for f, _ in parts))
             records = array("q", chain.from_iterable(chain.from_iterable(members) for _, members in parts))
             sizes = array("q", [len(members) for _, members in parts])
-            return ("parts", marshal.dumps((self.stages, self.microbatches, ops.templates)), flows,
+            return ("parts", key_bytes((self.stages, self.microbatches, ops.templates)), flows,
                     sizes.tobytes(), records.tobytes())
         if isinstance(ops, GridOps):
             lazy, other = ops.split_forms()
@@ -311,8 +319,8 @@ class Schedule:
                     array("q", chain.from_iterable(lazy.values())).tobytes()
                 records = b"|".join((int64_bytes(list(lazy)), pairs))
             except (TypeError, OverflowError):
-                records = marshal.dumps(tuple(lazy.items()))
-            return ("grid", marshal.dumps((self.stages, self.microbatches, ops.templates, given)), records)
+                records = key_bytes(tuple(lazy.items()))
+            return ("grid", key_bytes((self.stages, self.microbatches, ops.templates, given)), records)
         return (self.stages, self.microbatches,
                 tuple((w, tuple(self.ops[w])) for w in self.workers))
 

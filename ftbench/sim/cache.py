@@ -3,14 +3,13 @@ failure points, memory) and the `sim` backend's whole cost of an iteration."""
 from __future__ import annotations
 
 import hashlib
-import marshal
 from collections import OrderedDict
 from itertools import repeat
 
 from ftbench.costs import PlanCosts
 from ftbench.plan import Plan
 from ftbench.recovery_costs import logging_stall_s
-from ftbench.schedule import check_coverage
+from ftbench.schedule import check_coverage, key_bytes
 from ftbench.sim.grid import GridTimer
 from ftbench.sim.pipelines import PipelinesTimer
 from ftbench.sim.simulator import SimResult, simulate
@@ -90,7 +89,7 @@ def _digest(key: tuple):
                 h.update(b"(" if part is _OPEN else b")")
                 continue
             tag = b"b" if isinstance(part, bytes) else b"m"
-            data = part if tag == b"b" else marshal.dumps(part)
+            data = part if tag == b"b" else key_bytes(part)
             h.update(tag + len(data).to_bytes(8, "little"))
             h.update(data)
     except ValueError:  # not plain data (ops as named tuples): the key itself
