@@ -176,7 +176,30 @@ class _WholeGridSyncs(PlanCosts):
         return self._seconds[sync.units]
 
 
-class GridResult(SimResult):
+class ComposedResult(SimResult):
+    """A SimResult put together from a few simulated pipelines (GridResult here, and
+    ftbench.sim.pipelines.PipelinesResult): subclasses set `schedule`, `_plan`, `_model`,
+    `_whole = None` and give `_per_worker(name)`; op and all-reduce rows come from simulating
+    the whole plan, once, when first read."""
+
+    busy = property(lambda self: self._per_worker("busy"))
+    peak_stash = property(lambda self: self._per_worker("peak_stash"))
+    peak_activation_bytes = property(lambda self: self._per_worker("peak_activation_bytes"))
+    peak_memory_bytes = property(lambda self: self._per_worker("peak_memory_bytes"))
+
+    def whole(self) -> SimResult:
+        """The whole plan simulated (its rows)."""
+        if self._whole is None:
+            self._whole = simulate(self.schedule, PlanCosts(self._model, self._plan))
+        return self._whole
+
+    ops = property(lambda self: self.whole().ops)
+    previous_ops = property(lambda self: self.whole().previous_ops)
+    allreduces = property(lambda self: self.whole().allreduces)
+    layout = property(lambda self: self.whole().layout)
+
+
+class GridResult(ComposedResult):
     """A grid's SimResult from its kinds' small plan: per-worker dicts made when first read
     (each worker takes its kind's representative's figure at its stage), op and all-reduce
     rows from simulating the whole grid when first read."""
@@ -198,23 +221,8 @@ class GridResult(SimResult):
                                                                                          shape.kind_of))))
         return found
 
-    busy = property(lambda self: self._per_worker("busy"))
-    peak_stash = property(lambda self: self._per_worker("peak_stash"))
-    peak_activation_bytes = property(lambda self: self._per_worker("peak_activation_bytes"))
-    peak_memory_bytes = property(lambda self: self._per_worker("peak_memory_bytes"))
-
     def peak_columns(self) -> tuple[list[int], list[float]]:
         """(workers, peak_memory_bytes of each), without making the dict."""
         shape, per_kind = self._shape, self._kinds.peaks["peak_memory_bytes"]
         return shape.workers, list(chain.from_iterable(map(per_kind.__getitem__, shape.kind_of)))
 
-    def whole(self) -> SimResult:
-        """The whole grid simulated (its rows)."""
-        if self._whole is None:
-            self._whole = simulate(self.schedule, PlanCosts(self._model, self._plan))
-        return self._whole
-
-    ops = property(lambda self: self.whole().ops)
-    previous_ops = property(lambda self: self.whole().previous_ops)
-    allreduces = property(lambda self: self.whole().allreduces)
-    layout = property(lambda self: self.whole().layout)

@@ -39,6 +39,7 @@ from ftbench.costs import PlanCosts
 from ftbench.layers import model_layers, stage_units
 from ftbench.plan import Plan, grid_plan
 from ftbench.schedule import BW, OPT, W, ScheduleError, check_coverage, generate
+from ftbench.sim.grid import ComposedResult
 from ftbench.sim.simulator import SimResult, overlapped_sync_s, simulate
 
 KEEP_KINDS = 4096  # kinds' figures kept, least recently used first out
@@ -296,7 +297,7 @@ def _time_alone(cost_model, name: str, pp: int, count: int, cut: tuple, hops: tu
     return kind
 
 
-class PipelinesResult(SimResult):
+class PipelinesResult(ComposedResult):
     """A pipelines plan's SimResult from its kinds' figures: per-worker dicts built when first
     read (from the same dict of the result of the plan it was made from, where that one was
     built: its workers less those gone, the changed pipelines' workers updated), op and
@@ -342,19 +343,3 @@ class PipelinesResult(SimResult):
                     del found[w]
             found.update(zip(now.lists[d], per_kind[self._kind_of[d]]))
         return found
-
-    busy = property(lambda self: self._per_worker("busy"))
-    peak_stash = property(lambda self: self._per_worker("peak_stash"))
-    peak_activation_bytes = property(lambda self: self._per_worker("peak_activation_bytes"))
-    peak_memory_bytes = property(lambda self: self._per_worker("peak_memory_bytes"))
-
-    def whole(self) -> SimResult:
-        """The whole plan simulated (its rows)."""
-        if self._whole is None:
-            self._whole = simulate(self.schedule, PlanCosts(self._model, self._plan))
-        return self._whole
-
-    ops = property(lambda self: self.whole().ops)
-    previous_ops = property(lambda self: self.whole().previous_ops)
-    allreduces = property(lambda self: self.whole().allreduces)
-    layout = property(lambda self: self.whole().layout)
