@@ -136,7 +136,7 @@ class CheckpointConfig(StrategyConfig):
     name: str = "checkpoint"
     every: Optional[int] = 4  # iterations between checkpoints (null: tuned; Young/Daly, or CheckFreq's overhead rule)
     mtbf_hours: Optional[float] = None  # one node's MTBF for Young/Daly (null: failures.mtbf_hours)
-    keep: int = 2  # checkpoints kept on storage (local backend)
+    keep: int = 2  # checkpoints kept on storage (local and dist backends)
     overhead_bound: float = 0.035  # checkfreq: largest fraction of iteration time spent stalled on snapshots
     save_s: Optional[float] = None  # fixed checkpoint save stall in seconds (null: bytes over hardware.storage_gbps)
     start: str = "configured"  # varuna: configured (the grid cluster.pp x cluster.dp) | fastest (its fastest shape that fits on the job's GPUs, as Varuna's own planner picks)
@@ -184,7 +184,8 @@ class BambooConfig(StrategyConfig):
 
 @dataclass
 class WandbConfig:
-    """Weights & Biases sink. Offline runs land in the run folder; `wandb sync` uploads them."""
+    """Weights & Biases sink. Offline runs land in the run folder, which holds all `wandb sync`
+    needs (artifacts too): from inside it, `wandb sync wandb/offline-run-*` uploads them."""
     mode: str = "${oc.env:WANDB_MODE,offline}"  # offline | online | disabled (default: $WANDB_MODE, else offline)
     project: str = "ftbench"  # W&B project
     entity: Optional[str] = None  # W&B entity (team or user); None: the default one

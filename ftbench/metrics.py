@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import socket
 import tempfile
 import warnings
@@ -310,7 +311,9 @@ RECOVERY_COLUMNS = ("time_s", "iteration", "recovery_s", "lost_iterations", "res
 def _wandb_settings(wandb: Any) -> Any:
     """Settings that keep W&B quiet and cheap; names this wandb version lacks are dropped."""
     wanted = {
-        "console": "off",  # do not wrap stdout/stderr: the run prints its own progress
+        # Record what the run prints (files/output.log and the run file's output records):
+        # "wrap" tees sys.stdout and sys.stderr, without the pseudo-terminal "redirect" needs.
+        "console": "wrap",
         "x_disable_stats": True,  # no system-metrics sampling thread
         "x_disable_meta": True,
         "x_disable_machine_info": True,
@@ -323,6 +326,75 @@ def _wandb_settings(wandb: Any) -> Any:
     if known is None:
         return None
     return wandb.Settings(**{k: v for k, v in wanted.items() if k in known})
+
+
+ARTIFACTS_FOLDER = "artifacts"  # in the offline run's folder: one subfolder per logged artifact
+STAGED_SUFFIX = ".staged"  # of each file there: <artifact>/<path in the artifact>.staged
+DATA_FOLDER = "tmp/wandb-data"  # W&B's data folder while the run is open, in the offline run's folder
+
+
+def keep_artifacts_in_run_folder(run: Any, root: Path | str) -> None:
+    """Make an offline run's artifacts travel with its folder.
+
+    W&B stages an artifact's files in its data folder (~/.local/share/wandb: the home folder),
+    and an artifact added with policy="immutable" (our model) names the file where it lies;
+    the run file (`run-<id>.wandb`) records those absolute paths, which `wandb sync` reads
+    later. So, until `run.finish()`:
+
+    - each artifact the run logs (ours, and the `run_table` one W&B makes for each logged
+      Table) gets its files copied to `<offline run>/artifacts/<artifact>/<path>.staged` and
+      its paths made relative to `root`, the folder given to wandb.init: a copy of `root`
+      holds them, and `wandb sync wandb/offline-run-...` run from inside it finds them;
+    - W&B's data folder (WANDB_DATA_DIR) is `<offline run>/tmp/wandb-data`, removed at finish:
+      its staged copies (W&B leaves one behind per logged Table) never reach the home folder.
+
+    An online run uploads at once: it is left as it is.
+    """
+    if not getattr(run, "offline", False):
+        return
+    offline = Path(run.settings.sync_dir)
+    log_artifact, finish = run.log_artifact, run.finish
+    previous = os.environ.get("WANDB_DATA_DIR")
+
+    def staged_log_artifact(artifact: Any, *args: Any, **kwargs: Any) -> Any:
+        if hasattr(artifact, "manifest"):  # a path instead: W&B makes the artifact itself, unstaged
+            _stage_files(artifact, offline / ARTIFACTS_FOLDER, Path(root))
+        return log_artifact(artifact, *args, **kwargs)
+
+    def finish_and_restore(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return finish(*args, **kwargs)
+        finally:
+            if previous is None:
+                os.environ.pop("WANDB_DATA_DIR", None)
+            else:
+                os.environ["WANDB_DATA_DIR"] = previous
+            shutil.rmtree(offline / DATA_FOLDER, ignore_errors=True)
+
+    run.log_artifact, run.finish = staged_log_artifact, finish_and_restore
+    os.environ["WANDB_DATA_DIR"] = str((offline / DATA_FOLDER).resolve())  # once finish restores it
+
+
+def _stage_files(artifact: Any, folder: Path, root: Path) -> None:
+    target_dir = _free_folder(folder / re.sub(r"[^\w.-]", "_", str(artifact.name)))
+    for entry in artifact.manifest.entries.values():
+        if not entry.local_path:  # a reference: nothing of ours to upload
+            continue
+        # `.staged`: a copy of summary.json must not pass for a run's (reports search folders for it)
+        target = target_dir / f"{entry.path}{STAGED_SUFFIX}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # a copy, even of the model: wandb-core removes the staged files it has uploaded
+        shutil.copyfile(entry.local_path, target)
+        entry.local_path = os.path.relpath(target.resolve(), root.resolve())
+
+
+def _free_folder(stem: Path) -> Path:
+    """`stem`, or `stem-2`, ...: an artifact name logged twice keeps both versions' files."""
+    for k in range(1, 10_000):
+        folder = stem if k == 1 else stem.with_name(f"{stem.name}-{k}")
+        if not folder.exists():
+            return folder
+    raise OSError(f"no free folder name beside {stem}")
 
 
 def _reinit_value(wandb: Any) -> Any:
@@ -367,6 +439,12 @@ class WandbSink:
       summary.json (type "summary", `summary-<run id>`), and the summary's scalars (plus
       recovery totals, peak memory and `ettr`, the effective training time ratio) in
       `run.summary`.
+    - the console: what the run prints from the start of the W&B run on (`files/output.log`).
+
+    The W&B run starts at the first progress line (the lines before it are held, then logged
+    in order) or at `finish`; a run that stops on a setting error before training starts none.
+    An offline run's folder (`<run folder>/wandb/offline-run-<time>-<id>/`) holds all that
+    `wandb sync` uploads, artifacts included (`keep_artifacts_in_run_folder`).
     """
 
     MODES = ("offline", "online", "disabled")
@@ -378,6 +456,8 @@ class WandbSink:
         self.step_metric, self.group = "iteration", group
         self._defined: set[str] = set()
         self._step_value: float = 0
+        self._init: dict | None = None  # wandb.init's arguments until the run starts
+        self._pending: list[dict] = []  # metrics lines before it starts
         mode = getattr(cfg, "mode", "offline")
         # WANDB_MODE=disabled is W&B's own kill switch; honouring it lets a test suite or a CI
         # job turn W&B off for every run without editing configs.
@@ -389,31 +469,41 @@ class WandbSink:
             warnings.warn(f"wandb.mode {mode!r} is not one of {', '.join(self.MODES)}; "
                           "W&B logging is off for this run", stacklevel=2)
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            config = _plain_config(config)
-            self.step_metric = "time_s" if _backend_of(config) == "sim" else "iteration"
-            self.group = getattr(cfg, "group", None) or wandb_group(group, self.run_dir)
-            import wandb
-            self.run = wandb.init(
-                mode=mode, dir=str(self.run_dir), project=getattr(cfg, "project", None),
-                entity=getattr(cfg, "entity", None), group=self.group, job_type=job_type,
-                name=name, config=config, reinit=_reinit_value(wandb),
-                settings=_wandb_settings(wandb),
-            )
-            self._define(self.step_metric, None)
-        except Exception as exc:  # import error, bad login, no network for online mode...
-            self._give_up("start", exc)
+        config = _plain_config(config)
+        self.step_metric = "time_s" if _backend_of(config) == "sim" else "iteration"
+        self.group = getattr(cfg, "group", None) or wandb_group(group, self.run_dir)
+        self._init = dict(mode=mode, dir=str(self.run_dir), project=getattr(cfg, "project", None),
+                          entity=getattr(cfg, "entity", None), group=self.group, job_type=job_type,
+                          name=name, config=config)
 
     @property
     def active(self) -> bool:
-        return self.run is not None
+        """Whether this run goes to W&B (started, or waiting for its first progress line)."""
+        return self.run is not None or self._init is not None
+
+    def _start(self) -> None:
+        """wandb.init, then the metrics lines held until now. The W&B run starts at the first
+        progress line, or at `finish`: a run that stops on a setting error before it trains
+        leaves no W&B run behind (see `finish`)."""
+        kwargs, self._init = self._init, None
+        try:
+            import wandb
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run = wandb.init(**kwargs, reinit=_reinit_value(wandb), settings=_wandb_settings(wandb))
+            keep_artifacts_in_run_folder(self.run, self.run_dir)
+            self._define(self.step_metric, None)
+        except Exception as exc:  # import error, bad login, no network for online mode...
+            self._give_up("start", exc)
+            return
+        pending, self._pending = self._pending, []
+        for record in pending:
+            self._log(record)
 
     def _give_up(self, action: str, exc: BaseException) -> None:
         warnings.warn(f"W&B could not {action} ({type(exc).__name__}: {exc}); "
                       "the run goes on without W&B (metrics.jsonl and summary.json are unaffected)",
                       stacklevel=3)
-        run, self.run = self.run, None
+        run, self.run, self._pending = self.run, None, []
         if run is not None and action != "finish":
             try:
                 run.finish(exit_code=1)
@@ -454,6 +544,14 @@ class WandbSink:
         return data
 
     def log(self, record: dict) -> None:
+        if self._init is not None:  # not started: hold the line until the run trains
+            self._pending.append(record)
+            if record.get("event") is None or record.get("event") in PROGRESS_EVENTS:
+                self._start()
+            return
+        self._log(record)
+
+    def _log(self, record: dict) -> None:
         if self.run is None:
             return
         try:
@@ -468,7 +566,14 @@ class WandbSink:
         except Exception as exc:
             self._give_up("log", exc)
 
-    def finish(self, summary: dict) -> None:
+    def finish(self, summary: dict, config_error: bool = False) -> None:
+        """Log the extras and close the W&B run. `config_error`: the run stopped on a setting
+        to fix; if it had not started training, no W&B run is made for it at all."""
+        if self._init is not None:
+            if config_error:
+                self._init, self._pending = None, []
+                return
+            self._start()
         if self.run is None:
             return
         try:
@@ -507,7 +612,8 @@ class WandbSink:
             return
         artifact = wandb.Artifact(f"model-{self.run.id}", type="model",
                                   metadata=_artifact_metadata(summary))
-        # immutable: W&B reads the run folder's files instead of copying them to its staging area
+        # immutable: no copy in W&B's staging area (the home folder); an offline run copies the
+        # files into its own folder (keep_artifacts_in_run_folder), an online one uploads them
         artifact.add_dir(str(folder), policy="immutable")
         self.run.log_artifact(artifact, aliases=["latest", "final"])
 
@@ -535,7 +641,8 @@ def _artifact_metadata(summary: dict) -> dict:
     return {k: summary[k] for k in keep if k in summary and not isinstance(summary[k], (dict, list))}
 
 
-# Columns of the sweep table: (column, summary key or derived value).
+# The sweep table's fixed columns (summary keys or values derived from them); sweep_rows adds
+# one per swept key after `strategy`.
 SWEEP_COLUMNS: tuple[str, ...] = (
     "run", "strategy", "backend", "model", "hardware", "schedule", "pp", "dp", "microbatches",
     "global_batch", "iterations", "samples", "time_s", "throughput", "ettr", "failures", "recoveries",
@@ -545,12 +652,19 @@ SWEEP_COLUMNS: tuple[str, ...] = (
 
 
 def sweep_rows(sweep_dir: Path | str) -> tuple[list[str], list[list[Any]]]:
-    """Columns and rows (one per run, in sweep order) of a sweep folder's summaries."""
-    from ftbench.report import load_runs  # report imports this module
+    """Columns and rows (one per run, in sweep order) of a sweep folder's summaries: SWEEP_COLUMNS
+    with, after `strategy`, one column per swept key (the summaries' `swept`, and override keys
+    whose value differs between runs, as in `python -m ftbench.report`) that SWEEP_COLUMNS does
+    not already show; its cells are the run's values (from its `overrides`)."""
+    from ftbench.report import _swept_columns, _value, load_runs  # report imports this module
 
     sweep_dir = Path(sweep_dir)
+    summaries = load_runs([sweep_dir])
+    swept = _swept_columns(summaries, list(SWEEP_COLUMNS), aggregated=False)
+    at = SWEEP_COLUMNS.index("strategy") + 1
+    columns = [*SWEEP_COLUMNS[:at], *swept, *SWEEP_COLUMNS[at:]]
     rows = []
-    for summary in load_runs([sweep_dir]):
+    for summary in summaries:
         totals = recovery_totals(summary)
         peak = peak_memory_max(summary)
         run_dir = Path(summary["run_dir"])
@@ -562,9 +676,10 @@ def sweep_rows(sweep_dir: Path | str) -> tuple[list[str], list[list[Any]]]:
             "lost_iterations": totals["lost_iterations"],
             "peak_memory_gb": None if peak is None else peak / 1e9,
             "ettr": summary_ettr(summary),
+            **{key: _value(summary, key) for key in swept},
         }
-        rows.append([_table_cell(derived[c] if c in derived else summary.get(c)) for c in SWEEP_COLUMNS])
-    return list(SWEEP_COLUMNS), rows
+        rows.append([_table_cell(derived[c] if c in derived else summary.get(c)) for c in columns])
+    return columns, rows
 
 
 def start_sweep_run(sweep_dir: Path | str, cfg: Any, job_type: str, name: str,
@@ -585,13 +700,19 @@ def start_sweep_run(sweep_dir: Path | str, cfg: Any, job_type: str, name: str,
     import wandb
 
     group = getattr(cfg, "group", None) or wandb_group(sweep_dir.name, sweep_dir)
-    return wandb.init(mode=mode, dir=str(sweep_dir), project=getattr(cfg, "project", "ftbench"),
-                      entity=getattr(cfg, "entity", None), group=group, job_type=job_type,
-                      name=f"{group}-{name}", reinit=_reinit_value(wandb), settings=_wandb_settings(wandb))
+    run = wandb.init(mode=mode, dir=str(sweep_dir), project=getattr(cfg, "project", "ftbench"),
+                     entity=getattr(cfg, "entity", None), group=group, job_type=job_type,
+                     name=f"{group}-{name}", reinit=_reinit_value(wandb), settings=_wandb_settings(wandb))
+    try:
+        keep_artifacts_in_run_folder(run, sweep_dir)  # the tables' run_table artifacts
+    except Exception:
+        run.finish(exit_code=1)
+        raise
+    return run
 
 
 def log_sweep_table(sweep_dir: Path | str, cfg: Any = None, run: Any = None, key: str = "sweep") -> bool:
-    """Log one wandb.Table of a sweep's summaries (see SWEEP_COLUMNS); True when it was logged.
+    """Log one wandb.Table of a sweep's summaries (see sweep_rows); True when it was logged.
 
     `run`: an open W&B run to log into; without one, a run of its own is started in the sweep
     folder (job type "sweep-summary", the sweep's group, `cfg` as in WandbSink: mode,
@@ -644,4 +765,5 @@ __all__ = [
     "SUMMARY_KEYS", "STATUSES", "METRICS_FILE", "SUMMARY_FILE", "MetricsWriter", "check_summary",
     "write_summary", "read_metrics", "recovery_totals", "peak_memory_max", "ettr", "summary_ettr", "WandbSink",
     "wandb_group", "recoveries_table", "sweep_rows", "log_sweep_table", "start_sweep_run",
+    "keep_artifacts_in_run_folder",
 ]

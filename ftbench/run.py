@@ -75,17 +75,16 @@ def execute(cfg, run_dir: Path | str, wandb_group: str | None = None, echo=_echo
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         with MetricsWriter(run_dir) as metrics:
-            _execute(cfg, run_dir, wandb_group, summary, started, metrics, cache_dir)
+            _execute(cfg, run_dir, wandb_group, summary, started, metrics, cache_dir, echo)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-    echo(format_summary(summary))
     return summary
 
 
 def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, metrics,
-             cache_dir: Path | None = None) -> None:
-    sink = None
+             cache_dir: Path | None = None, echo=_echo) -> None:
+    sink, config_error = None, False
     try:
         table_strategy_settings(cfg)
         calibration = calibrate(cfg, cache_dir)  # before the sink records the config: the fitted efficiency
@@ -101,6 +100,7 @@ def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, met
 
         summary.update(_run(cfg, run_dir, log))
     except UserError as err:
+        config_error = isinstance(err, ConfigError)
         summary.update(status=err.status, error=str(err))
         metrics.log({"event": "error", "status": err.status, "error": str(err)})
     except BaseException as err:  # a bug, Ctrl-C or SIGTERM, not a user error: keep the evidence, re-raise
@@ -119,15 +119,19 @@ def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, met
         _finish(run_dir, summary, started, sink)
         err.run_dir = str(run_dir)  # for the CLI's one-line report
         raise
-    _finish(run_dir, summary, started, sink)
+    _finish(run_dir, summary, started, sink, echo, config_error)
 
 
-def _finish(run_dir: Path, summary: dict, started: float, sink) -> None:
+def _finish(run_dir: Path, summary: dict, started: float, sink, echo=None, config_error: bool = False) -> None:
+    """Write summary.json, print the summary (`echo`), then close the W&B run: after the print,
+    so that the run's console log in W&B ends with it."""
     summary["wall_s"] = time.perf_counter() - started
     summary["run_dir"] = str(run_dir)
     write_summary(run_dir, summary)
+    if echo is not None:
+        echo(format_summary(summary))
     if sink is not None:
-        sink.finish(summary)
+        sink.finish(summary, config_error=config_error)
 
 
 def _base_summary(cfg, overrides: list[str] | None = None, swept: list[str] | None = None) -> dict:
@@ -175,6 +179,10 @@ def _run(cfg, run_dir: Path, log) -> dict:
     if ctx.backend not in AVAILABLE_BACKENDS:
         raise ConfigError("backend", f"backend '{ctx.backend}' is not implemented yet",
                           f"use one of {', '.join(AVAILABLE_BACKENDS)}")
+    if ctx.backend != "dist":
+        from ftbench.distributed.launch import refuse_dist_settings  # imports no torch
+
+        refuse_dist_settings(cfg)  # backend.kill and backend.stall would be ignored
     clock = _clock(cfg)
     strategy = build_strategy(cfg.strategy, ctx)
     log({"event": "start", "clock": clock, "failures": script.description, "microbatches": ctx.microbatches,

@@ -5,6 +5,7 @@ import datetime
 import json
 import re
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -180,10 +181,11 @@ def test_sink_rows_keep_events_apart_on_the_iteration_axis(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(init))
     sink = WandbSink(wandb_cfg("offline", group="from-cfg"), tmp_path, "r1", "bamboo", "sweep",
                      {"backend": {"name": "local"}})
+    sink.log({"event": "start", "clock": "wall", "nodes": 8})
+    assert not seen and sink.active  # W&B starts with the first progress line, not before
+    sink.log({"event": "iteration", "iteration": 5, "loss": 1.5, "plan": "1f1b", "ok": True})
     assert seen["group"] == "from-cfg" and seen["job_type"] == "bamboo" and seen["mode"] == "offline"
     assert seen["dir"] == str(tmp_path)
-    sink.log({"event": "start", "clock": "wall", "nodes": 8})
-    sink.log({"event": "iteration", "iteration": 5, "loss": 1.5, "plan": "1f1b", "ok": True})
     sink.log({"event": "fail", "node": 1, "time_s": 2.0, "iteration": 6})
     sink.log({"event": "recovery", "iteration": 6, "recovery_s": 3.0, "lost_iterations": 3,
               "actions": ["RestartJob", "RestoreCheckpoint"], "copies": [{"src": 1}]})
@@ -309,6 +311,33 @@ def test_sweep_rows_and_table(tmp_path, monkeypatch):
     assert not log_sweep_table(sweep)  # no run of its own when W&B is off
 
 
+def test_sweep_table_has_a_column_per_swept_key(tmp_path):
+    sweep = tmp_path / "20-00-00-abcd"
+    for num, (strategy, mtbf) in enumerate((("none", 10), ("checkpoint", 10), ("checkpoint", 100))):
+        write_summary(sweep / f"{num}_{strategy}", full_summary(
+            strategy=strategy, swept=["strategy", "failures.mtbf_hours", "cluster.dp"],
+            overrides=[f"strategy={strategy}", f"failures.mtbf_hours={mtbf}", "cluster.dp=2", "seed=0"]))
+    columns, rows = sweep_rows(sweep)
+    # after `strategy`; strategy and cluster.dp (as `dp`) have columns already
+    assert columns[:3] == ["run", "strategy", "failures.mtbf_hours"] and columns.count("strategy") == 1
+    assert "cluster.dp" not in columns and "seed" not in columns  # seed: the same in every run
+    assert [row[2] for row in rows] == [10, 10, 100]
+
+
+def test_a_config_error_starts_no_wandb_run(tmp_path, monkeypatch):
+    from conftest import run as execute_run
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    started = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(lambda **kwargs: started.append(kwargs) or FakeRun()))
+    sim = ("backend=sim", "wandb.mode=offline", "train.iterations=2", "report.gantt=false")
+    bad = execute_run(tmp_path / "bad", *sim, "cluster.dp=0")
+    assert bad["status"] == "error" and "`cluster.dp`" in bad["error"]
+    assert not started and not (tmp_path / "bad" / "wandb").exists()
+    assert execute_run(tmp_path / "good", *sim)["status"] == "ok"
+    assert len(started) == 1  # the same setup without the error does start one
+
+
 def test_sink_warns_once_and_goes_quiet_when_init_fails(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
 
@@ -316,10 +345,11 @@ def test_sink_warns_once_and_goes_quiet_when_init_fails(tmp_path, monkeypatch):
         raise RuntimeError("no network")
 
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(init))
+    sink = WandbSink(wandb_cfg("online"), tmp_path, "r1", "none", None, {})
     with pytest.warns(UserWarning, match="no network"):
-        sink = WandbSink(wandb_cfg("online"), tmp_path, "r1", "none", None, {})
+        sink.log({"iteration": 0, "loss": 1.0})  # the first progress line starts W&B
     assert not sink.active
-    sink.log({"iteration": 0, "loss": 1.0})  # no-ops, no exceptions
+    sink.log({"iteration": 1, "loss": 1.0})  # no-ops, no exceptions
     sink.finish(full_summary())
 
 
@@ -332,9 +362,9 @@ def test_offline_sink_writes_into_the_run_folder(tmp_path):
         "from ftbench.metrics import WandbSink\n"
         "cfg = types.SimpleNamespace(mode='offline', project='ftbench-test', entity=None, group=None)\n"
         f"sink = WandbSink(cfg, {str(run_dir)!r}, 'run', 'none', 'tests', {{'seed': 0}})\n"
-        "assert sink.active, 'wandb offline init failed'\n"
         "for i in range(3):\n"
         "    sink.log({'iteration': i, 'loss': 1.0 / (i + 1)})\n"
+        "assert sink.run is not None, 'wandb offline init failed'\n"
         "sink.finish({'status': 'ok', 'throughput': 1.0})\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
@@ -431,16 +461,20 @@ def offline_sweep(tmp_path_factory):
         "import conftest\n"
         "os.environ.pop('WANDB_MODE', None)\n"
         "from ftbench.metrics import log_sweep_table\n"
+        "from ftbench.run import execute\n"
         f"sweep = Path({str(sweep)!r})\n"
-        f"assert conftest.run(sweep / 'local', *{LOCAL_RUN!r})['status'] == 'ok'\n"
+        # execute's own echo: the summary is printed, for W&B's console log
+        f"cfg = conftest.compose('report.progress=false', *{LOCAL_RUN!r})\n"
+        "assert execute(cfg, sweep / 'local')['status'] == 'ok'\n"
         f"assert conftest.run(sweep / 'sim', *{SIM_RUN!r})['status'] == 'ok'\n"
         "assert log_sweep_table(sweep)\n"
+        "assert 'WANDB_DATA_DIR' not in os.environ, 'W&B data folder not restored'\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    # W&B's data, cache and config folders at their defaults, in a home folder of the test's own
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "XDG_"))}
     scratch = sweep.parent
     env.update(PYTHONPATH=str(ROOT), WANDB_SILENT="true", WANDB_DIR=str(scratch / "wandb-dir"),
-               WANDB_CONFIG_DIR=str(scratch / "cfg"), WANDB_CACHE_DIR=str(scratch / "cache"),
-               WANDB_DATA_DIR=str(scratch / "data"))
+               HOME=str(scratch / "home"))
     try:
         done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=240)
@@ -523,6 +557,53 @@ def test_log_sweep_table_offline(offline_sweep):
     assert run.job_type == "sweep-summary" and run.run_group.endswith("_20-00-00-abcd")
     (row,) = history_rows(records)
     assert row["sweep/_type"] == "table-file" and row["sweep/nrows"] == 2
+
+
+def test_an_offline_run_folder_copied_elsewhere_holds_everything_wandb_sync_needs(offline_sweep, tmp_path):
+    """Copy a run folder, take the original and W&B's home folders away, and find in the copy's
+    run file the metrics, config, console, table, images and artifacts, with every file they
+    name inside the copy (an artifact's path is relative to the run folder: `wandb sync` runs
+    there)."""
+    original, home = offline_sweep / "local", offline_sweep.parent / "home"
+    staged = [p for p in home.rglob("*") if p.is_file() and "artifacts" in p.parts]
+    assert not staged, staged  # nothing of the run's was left in the home folder
+    copy = tmp_path / "elsewhere" / "local"
+    shutil.copytree(original, copy, symlinks=True)
+    aside = original.with_name("local-moved-away")
+    original.rename(aside)
+    shutil.rmtree(home)
+    try:
+        run_file = only_run_file(copy)
+        files = run_file.parent / "files"
+        records = wandb_records(run_file)
+        rows = history_rows(records)
+        assert [r["loss"] for r in rows if "loss" in r] == [
+            line["loss"] for line in read_metrics(copy) if line["event"] == "iteration"]
+        (run,) = of_type(records, "run")
+        config = {item.key: json.loads(item.value_json) for item in run.config.update}
+        assert config["model"]["name"] == "gpt-tiny" and config["strategy"]["name"] == "checkpoint"
+
+        console = "".join(r.output_raw.line for r in records if r.WhichOneof("record_type") == "output_raw")
+        assert "lost iterations" in console  # the summary execute printed
+        assert "lost iterations" in (files / "output.log").read_text()
+
+        media = rows[-1]
+        images = [key[:-len("/_type")] for key, value in media.items() if value == "image-file"]
+        assert "plots/notes" in images
+        for key in ("recoveries", *images):
+            assert (files / media[f"{key}/path"]).stat().st_size > 0, key
+
+        artifacts = of_type(records, "artifact")
+        assert {"model", "summary", "run_table"} <= {a.type for a in artifacts}
+        for artifact in artifacts:
+            for entry in artifact.manifest.contents:
+                assert not os.path.isabs(entry.local_path), (artifact.name, entry.local_path)
+                assert (copy / entry.local_path).stat().st_size == entry.size, (artifact.name, entry.path)
+        (model,) = [a for a in artifacts if a.type == "model"]
+        weights = next(e for e in model.manifest.contents if e.path == "model.safetensors")
+        assert (copy / weights.local_path).read_bytes() == (copy / "final_model" / "model.safetensors").read_bytes()
+    finally:
+        aside.rename(original)
 
 
 def test_a_summary_is_strict_json_even_with_losses_not_reached(tmp_path):

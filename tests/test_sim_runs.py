@@ -129,8 +129,8 @@ def test_wandb_sink_gets_the_sweep_group_the_strategy_and_every_metrics_line(tmp
         def log(self, record):
             calls["logged"].append(record)
 
-        def finish(self, summary):
-            calls["summary"] = summary
+        def finish(self, summary, config_error=False):
+            calls.update(summary=summary, config_error=config_error)
 
     monkeypatch.setattr(run_module, "WandbSink", Recorder)
     cfg = compose(*MEDIUM, "report.progress=false", "report.gantt=false")
@@ -138,7 +138,7 @@ def test_wandb_sink_gets_the_sweep_group_the_strategy_and_every_metrics_line(tmp
     assert calls["job_type"] == "none" and calls["group"] == "20-00-00-abcd"
     assert calls["config"]["model"]["name"] == "gpt3-medium"
     assert calls["logged"] == read_metrics(tmp_path / "metrics.jsonl")
-    assert calls["summary"]["status"] == summary["status"] == "ok"
+    assert calls["summary"]["status"] == summary["status"] == "ok" and not calls["config_error"]
 
 
 @pytest.mark.parametrize("crash", [RuntimeError("bug in a strategy"), KeyboardInterrupt()])

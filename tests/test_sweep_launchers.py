@@ -85,13 +85,13 @@ def test_joblib_runs_table_cells_in_batches_of_n_jobs_and_a_rerun_skips_them(tmp
 # --------------------------------------------------------------------------- SLURM (submitit)
 
 def _readme_slurm_command() -> list[str]:
-    """The README's SLURM sweep, as its arguments."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """The SLURM sweep of docs/running.md, as its arguments."""
+    text = (ROOT / "docs" / "running.md").read_text(encoding="utf-8")
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         command = block.replace("\\\n", " ").strip()
         if command.startswith("ftbench ") and "hydra/launcher=submitit_slurm" in command:
             return shlex.split(command)[1:]
-    raise AssertionError("README.md has no `ftbench ... hydra/launcher=submitit_slurm` example")
+    raise AssertionError("docs/running.md has no `ftbench ... hydra/launcher=submitit_slurm` example")
 
 
 def _launcher_settings(args: list[str]) -> dict[str, str]:
@@ -218,10 +218,10 @@ def test_hydra_flags_keep_their_values(tmp_path):
 def test_readme_cfg_command_lists_the_slurm_launcher_settings(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
                         reason="hydra-submitit-launcher is not installed (pip install -e '.[slurm]')")
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "running.md").read_text(encoding="utf-8")
     shown = re.search(r"`ftbench (hydra/launcher=submitit_slurm --cfg hydra -p hydra\.launcher)` lists the "
                       r"launcher's\s+other settings \(([^)]*)\)", text)
-    assert shown, "the README no longer says how to list the SLURM launcher's settings"
+    assert shown, "docs/running.md no longer says how to list the SLURM launcher's settings"
     out = ftbench(tmp_path, *shown.group(1).split(), env=_env(WANDB_MODE="disabled"))
     assert out.returncode == 0, out.stderr[-3000:]
     listed = {line.split(":")[0] for line in out.stdout.splitlines() if re.match(r"\w+:", line)}
