@@ -215,8 +215,21 @@ class Checkpoints:
         end = min(it + n, self.iterations - 1)
         return max(end // self.every - it // self.every, 0) + (self._extra(it, end) is not None)
 
-    def span(self, it: int, n: int) -> float:
-        return n * self.T + self._saves(it, n) * self.stall
+    def span(self, it: int, n: int, t: float) -> float:
+        """Seconds that n iterations from (it, t) take with their saves' stalls, and the waits
+        of snapshots for the previous persist: one persist runs at a time (CheckFreq), so a
+        snapshot due before it ends waits, as `persist_wait` does one save at a time."""
+        saves = self._saves(it, n)
+        span = n * self.T + saves * self.stall
+        if saves:  # a persist runs only in snapshot mode, which has no extra post-change save (varuna writes files)
+            first = (it // self.every + 1) * self.every
+            span += self.persist_wait(t + (first - it) * self.T)
+            span += (saves - 1) * max(0.0, self.persist - self.every * self.T)  # steady state: the same each time
+        return span
+
+    def persist_wait(self, start: float) -> float:
+        """How long a save starting at `start` waits for the previous checkpoint's persist."""
+        return max(0.0, self.ledger.last_durable - start)
 
     def fit(self, it: int, t: float, t_limit: float, most: int) -> int:
         """The most iterations (<= most) that, with their checkpoint stalls, end by t_limit."""
@@ -225,7 +238,7 @@ class Checkpoints:
         lo, hi = 0, most
         while lo < hi:  # the span grows with n: bisect
             mid = (lo + hi + 1) // 2
-            if t + self.span(it, mid) <= t_limit * (1 + 1e-12):
+            if t + self.span(it, mid, t) <= t_limit * (1 + 1e-12):
                 lo = mid
             else:
                 hi = mid - 1
@@ -244,10 +257,11 @@ class Checkpoints:
             extra = self._extra(it, end)
             if extra is not None:
                 points.append(extra)
-            for at in sorted(points)[-3:]:
-                self.ledger.add(at, t + self.span(it, at - it) + self.persist)
-                newest.append(at)
-        t_end = t + self.span(it, n)
+            newest = sorted(points)[-3:]
+        # every span from the ledger as it was at `it` (a new entry would make a save wait for itself)
+        t_end = t + self.span(it, n, t)
+        for at, durable in [(at, t + self.span(it, at - it, t) + self.persist) for at in newest]:
+            self.ledger.add(at, durable)
         if newest:
             self.saved(newest[-1])  # after the span: it counts the post-change checkpoint
         return t_end, saves, newest
@@ -370,7 +384,7 @@ class RunLoop:
         n = self.ckpt.fit(it, t, min(t_event, self.horizon), limit)
         if n > 0:
             return n, None
-        if t_event < self.horizon and t < self.horizon and t_event < t + self.ckpt.span(it, 1):
+        if t_event < self.horizon and t < self.horizon and t_event < t + self.ckpt.span(it, 1, t):
             if self._strikes(self.events.peek_timed()):
                 return 0, (self.events.pop_timed(), min(max((t_event - t) / T, 0.0), 1.0))
             return 1, None  # a boundary event inside this iteration: it applies at its end
@@ -470,7 +484,7 @@ class RunLoop:
         measured = self.backend.save(self.plan, iteration, mode)
         if self.modelled:
             cost = self.ckpt.modelled_cost(self.plan)
-            self.t += cost.stall_s
+            self.t += self.ckpt.persist_wait(self.t) + cost.stall_s
             self.ckpt.ledger.add(iteration, self.t + cost.persist_s)
         else:
             cost = measured or SaveCost(0.0, 0.0)

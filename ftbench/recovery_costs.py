@@ -170,12 +170,18 @@ class CheckpointLedger:
         self.saved.append((iteration, durable_at))
         self._last_durable = max(self._last_durable, durable_at)
 
+    @property
+    def last_durable(self) -> float:
+        """When the last checkpoint written becomes durable (-inf: none)."""
+        return self._last_durable
+
     def restorable(self, t: float) -> int:
         """The newest checkpoint durable by time t; 0 (the initial state, re-created from the
         seed) when none is. Later ones are gone: they belong to the abandoned timeline."""
         done = [i for i, at in self.saved if at <= t]
         iteration = max(done, default=0)
         self.saved = [(i, at) for i, at in self.saved if i <= iteration and at <= t]
+        self._last_durable = max((at for _, at in self.saved), default=float("-inf"))  # no wait for a lost persist
         return iteration
 
     def drop_not_durable(self, t: float) -> list[int]:

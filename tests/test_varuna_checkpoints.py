@@ -162,3 +162,54 @@ def test_closed_form_counts_the_post_change_checkpoint_as_one_iteration_at_a_tim
         assert newest == [k for k, _ in written[-3:]]
         assert jump.ledger.saved == [(k, pytest.approx(at)) for k, at in written[-3:]]
         assert jump.after_change == step.after_change
+
+
+def test_closed_form_snapshots_wait_for_the_previous_persist_as_one_save_at_a_time_does():
+    """CheckFreq persists one snapshot at a time: a snapshot due while the previous persist
+    runs waits for it. sim's jumps must charge exactly the waits of saving one at a time, also
+    when the run starts with a persist still running from before."""
+    import random
+
+    from ftbench.loop import Checkpoints
+
+    class Rule:
+        checkpoint_mode, checkpoint_after_change = "snapshot", False
+
+    rng = random.Random("checkfreq-persist-wait")
+    for _ in range(2000):
+        iterations, every = rng.randint(2, 60), rng.randint(1, 12)
+        it = rng.randrange(iterations)
+        n = rng.randint(1, iterations - it)
+        persist, before = rng.choice([0.0, 0.5, 3.0, 20.0]), rng.uniform(0, 30)
+        jump, step = (Checkpoints(Rule(), None, iterations, lambda _: None, True) for _ in range(2))
+        for c in (jump, step):
+            c.every, c.T, c.stall, c.persist = every, 1.0, 0.25, persist
+            c.ledger.add(it, before)  # the persist of the checkpoint at `it` ends at `before`
+        t_end, saves, newest = jump.advance(it, 0.0, n)
+        t, written = 0.0, []
+        for k in range(it + 1, it + n + 1):
+            t += 1.0
+            if step.due(k):
+                t += step.persist_wait(t) + 0.25
+                written.append((k, t + persist))
+                step.ledger.add(k, t + persist)
+        assert (saves, t_end) == (len(written), pytest.approx(t)), (iterations, every, it, n, persist, before)
+        assert newest == [k for k, _ in written[-3:]]
+        assert jump.ledger.saved[1:] == [(k, pytest.approx(at)) for k, at in written[-3:]]
+        if len(written) > 1 and persist > every:  # persists longer than the interval set the pace
+            assert t_end >= (len(written) - 1) * (persist + 0.25)
+
+
+def test_checkfreq_on_sim_never_saves_faster_than_storage_persists(tmp_path):
+    """A fixed interval shorter than the persist: every snapshot waits for the one before, so
+    the run takes at least (checkpoints - 1) persists, as on local where save_async blocks."""
+    import json
+
+    from conftest import run
+
+    summary = run(tmp_path, "backend=sim", "strategy=checkfreq", "strategy.every=1", "model=gpt3-medium",
+                  "hardware.storage_gbps=0.05", "train.iterations=30", "failures=none")
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    persist = next(e["persist_s"] for e in lines if e["event"] == "checkpoint_interval")
+    assert persist > 1 and summary["checkpoints"] >= 30
+    assert summary["time_s"] >= (summary["checkpoints"] - 1) * persist
