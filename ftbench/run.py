@@ -176,6 +176,9 @@ def simulate(cfg, run_dir: Path) -> dict:
 def _run(cfg, run_dir: Path, log) -> dict:
     ctx = RunContext.from_config(cfg)
     cluster, script = _cluster_and_script(cfg, ctx)
+    job_mtbf = cfg.failures.get("job_mtbf_hours")
+    if ctx.node_mtbf_hours is None and job_mtbf and cfg.failures.kind == "poisson":
+        ctx.node_mtbf_hours = job_mtbf * cluster.nodes  # as the failure script draws them (Young/Daly reads it)
     if ctx.backend not in AVAILABLE_BACKENDS:
         raise ConfigError("backend", f"backend '{ctx.backend}' is not implemented yet",
                           f"use one of {', '.join(AVAILABLE_BACKENDS)}")

@@ -142,3 +142,22 @@ def test_varuna_morphs_up_when_nodes_return(tmp_path, run_config):
     shrink, grow = s["recoveries"]
     assert grow["actions"] == ["SaveCheckpoint", "RestartJob", "RestoreCheckpoint"]
     assert grow["lost_iterations"] == 0 and grow["shape"] == "pp=4 dp=2"
+
+
+def test_young_daly_takes_the_node_mtbf_from_the_jobs_mtbf(tmp_path):
+    """failures.job_mtbf_hours=10 on 8 nodes is a node MTBF of 80 h: the same interval as
+    failures.mtbf_hours=80, not a setting error."""
+    import json
+
+    from conftest import run
+
+    def interval(folder, *failures):
+        summary = run(tmp_path / folder, "backend=sim", "model=gpt3-medium", "strategy=checkpoint",
+                      "strategy.every=null", "failures=poisson", *failures, "train.max_hours=1",
+                      "train.iterations=1000000")
+        assert summary["status"] == "ok", summary["error"]
+        lines = [json.loads(x) for x in (tmp_path / folder / "metrics.jsonl").read_text().splitlines()]
+        return next(e["every"] for e in lines if e["event"] == "checkpoint_interval")
+
+    by_job = interval("job", "failures.mtbf_hours=null", "failures.job_mtbf_hours=10")
+    assert by_job == interval("node", "failures.mtbf_hours=80") != interval("other", "failures.mtbf_hours=20")
