@@ -42,13 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ftbench.cli import compose  # noqa: E402
-from ftbench.cluster import Cluster  # noqa: E402
-from ftbench.context import RunContext  # noqa: E402
-from ftbench.costs import PlanCosts  # noqa: E402
-from ftbench.failures import FailureEvent  # noqa: E402
-from ftbench.sim.simulator import simulate  # noqa: E402
-from ftbench.strategies import build_strategy  # noqa: E402
+# measured wall time of the default run
+DURATION = "4-25 s on 2 shared cores, depending on load"
 
 OOBLECK = [  # (model, setup overrides for bamboo, for none)
     ("bert-large", ["model=bert-large", "hardware=a100-40gb", "cluster.gpus_per_node=4", "cluster.pp=6",
@@ -88,6 +83,12 @@ def _sized(overrides: list[str], nodes: int | None, strategy: str) -> list[str]:
 def measure(overrides: list[str], strategy: str, fail_nodes=()) -> dict:
     """Plan `strategy` for the setup, apply failures of `fail_nodes` one by one, and simulate
     the plan in force after each: iteration time, peak memory, plan name."""
+    from ftbench.cli import compose
+    from ftbench.cluster import Cluster
+    from ftbench.context import RunContext
+    from ftbench.failures import FailureEvent
+    from ftbench.strategies import build_strategy
+
     cfg = compose(["backend=sim", f"strategy={strategy}", "wandb.mode=disabled", *overrides])
     ctx = RunContext.from_config(cfg)
     cluster = Cluster.from_config(cfg.cluster)
@@ -105,13 +106,16 @@ def measure(overrides: list[str], strategy: str, fail_nodes=()) -> dict:
 
 
 def _time(ctx, plan) -> dict:
+    from ftbench.costs import PlanCosts
+    from ftbench.sim.simulator import simulate
+
     result = simulate(plan.schedule, PlanCosts(ctx.cost_model, plan))
     return {"iteration_s": result.iteration_time, "peak_gb": max(result.peak_memory_bytes.values()) / 1e9,
             "plan": plan.name}
 
 
 def report(title: str, setups) -> None:
-    print(f"\n## {title}\n")
+    print(f"\n## {title}\n", flush=True)
     print("| model | none s/it | bamboo s/it | overhead | none GB | bamboo GB | memory ratio | fits | "
           "1 failover | 2 failovers |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -127,17 +131,20 @@ def report(title: str, setups) -> None:
         print(f"| {model} | {base['iteration_s']:.3f} | {free['iteration_s']:.3f} | "
               f"{free['iteration_s'] / base['iteration_s']:.2f}x | {base['peak_gb']:.1f} | {free['peak_gb']:.1f} | "
               f"{free['peak_gb'] / base['peak_gb']:.2f}x | {fits} | "
-              f"{free['iteration_s'] / one['iteration_s']:.2f} | {free['iteration_s'] / two['iteration_s']:.2f} |")
+              f"{free['iteration_s'] / one['iteration_s']:.2f} | {free['iteration_s'] / two['iteration_s']:.2f} |",
+              flush=True)
         print(f"  ({free['plan']}; after failovers: {one['plan']!r}, {two['plan']!r}; "
-              f"{time.perf_counter() - started:.1f} s)", file=sys.stderr)
+              f"{time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
     print("\noverhead: bamboo's fault-free iteration time / none's; memory ratio: peak per worker, bamboo / none;"
           "\nfailover columns: throughput after one and two failovers / bamboo's fault-free throughput.")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"Typical duration: {DURATION}.")
     parser.add_argument("--setups", nargs="+", default=["oobleck", "recycle"], choices=["oobleck", "recycle"])
     args = parser.parse_args()
+    print(f"bamboo_sim.py: Bamboo vs none on the simulator, setups {' '.join(args.setups)}; typically {DURATION}",
+          file=sys.stderr, flush=True)
     if "oobleck" in args.setups:
         report("Oobleck's table: 30 nodes x 4 A100 40 GB, 6 stages, one node per stage", OOBLECK)
     if "recycle" in args.setups:

@@ -30,6 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# wall time of the default run, extrapolated from measured runs (MORE: what was measured)
+DURATION = "about 4-6 min on 2 shared cores, extrapolated"
+MORE = ("measured: --repeats 1 --skip-host took 2-3 min (the default job 35-65 s quiet, 80-105 s beside "
+        "2 busy processes); the default adds the host-thread pair and 2 more start-up rounds")
+
 
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -94,7 +99,7 @@ class Busy:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"Typical duration: {DURATION}; {MORE}.")
     ap.add_argument("--busy", type=int, default=2, help="CPU-bound processes to run beside the job")
     ap.add_argument("--repeats", type=int, default=3, help="start-up measurements per command")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds before a job run is given up")
@@ -102,6 +107,8 @@ def main() -> None:
     ap.add_argument("--skip-startup", action="store_true")
     ap.add_argument("--overrides", nargs="*", default=[], help="extra ftbench overrides for every job run")
     args = ap.parse_args()
+    print(f"contention.py: start-up times, then the default job quiet and beside {args.busy} busy processes; "
+          f"typically {DURATION}", file=sys.stderr, flush=True)
 
     from ftbench.threads import usable_cpus
 

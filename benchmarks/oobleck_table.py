@@ -30,9 +30,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ftbench.cli import compose  # noqa: E402
-from ftbench.run import execute  # noqa: E402
-
 # Oobleck's Table 2 cells (SOSP 2023) (samples/s) and the artifact's fault-free throughput.
 PUBLISHED = {"gpt3-medium": {"6h": 29.30, "1h": 29.21, "10m": 28.70},
              "gpt3-2.7b": {"6h": 7.29, "1h": 7.23, "10m": 6.89},
@@ -41,6 +38,8 @@ FAULT_FREE = {"gpt3-medium": 38.47, "gpt3-2.7b": 9.21, "gpt3-6.7b": 5.51}
 BATCH = {"gpt3-medium": (816, 8), "gpt3-2.7b": (512, 4), "gpt3-6.7b": (1024, 4)}  # (global batch, micro-batch)
 TRACES = ("6h", "1h", "10m")
 NODES, GPUS = 30, 4
+# measured wall time of the default run
+DURATION = "15-60 s on 2 shared cores for the 3 models, depending on load; --by-nodes adds little"
 
 
 RECOMPUTE: dict[str, str] = {}  # model -> train.recompute, chosen by needs_recompute
@@ -50,6 +49,7 @@ STAGE_PER = ["node"]  # strategy.stage_per (--stage-per)
 def needs_recompute(model: str, hardware: str) -> str:
     """`full` when no pipeline of up to 30 nodes holds the model's stages with their stashed
     activations (what practitioners do), else `none`."""
+    from ftbench.cli import compose
     from ftbench.context import RunContext
     from ftbench.planning.oobleck import Templates
 
@@ -72,6 +72,9 @@ def setup(model: str, hardware: str, efficiency: float, nodes: int = NODES) -> l
 
 
 def run(overrides: list[str]) -> dict:
+    from ftbench.cli import compose
+    from ftbench.run import execute
+
     with tempfile.TemporaryDirectory() as tmp:
         return execute(compose(overrides), Path(tmp), echo=lambda *_: None)
 
@@ -101,7 +104,7 @@ def calibrate(model: str, hardware: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"Typical duration: {DURATION}.")
     parser.add_argument("--models", nargs="+", default=list(PUBLISHED))
     parser.add_argument("--hardware", default="a100-40gb")
     parser.add_argument("--by-nodes", action="store_true", help="also throughput by live-node count, 30 down to 15")
@@ -109,17 +112,22 @@ def main() -> None:
                         help="strategy.stage_per: a node's GPUs hold consecutive stages, or share the node's one stage")
     args = parser.parse_args()
     STAGE_PER[0] = args.stage_per
+    print(f"oobleck_table.py: Oobleck's Table 2 on the simulator, {len(args.models)} model(s), a row per model; "
+          f"typically {DURATION}", file=sys.stderr, flush=True)
     print(f"Oobleck on the simulator, {NODES} nodes x {GPUS} GPUs ({args.hardware}), stage per {args.stage_per}; "
-          "published = Oobleck's Table 2")
+          "published = Oobleck's Table 2", flush=True)
     print(f"{'model':<12} {'efficiency':>10} {'fault-free':>10} " + " ".join(
-        f"{t + ' ours':>9} {t + ' paper':>9} {'ratio':>6}" for t in TRACES) + f" {'recompute':>9} {'wall (s)':>8}")
+        f"{t + ' ours':>9} {t + ' paper':>9} {'ratio':>6}" for t in TRACES) + f" {'recompute':>9} {'wall (s)':>8}",
+        flush=True)
     for model in args.models:
         started = time.perf_counter()
         RECOMPUTE[model] = needs_recompute(model, args.hardware)
         efficiency = calibrate(model, args.hardware)
+        print(f"  {model}: calibrated, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         free = fault_free(model, args.hardware, efficiency)
         cells = []
         for trace in TRACES:
+            print(f"  {model}: trace {trace}, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
             # The run ends at the trace's last event (failures.end_at_last_event, the default).
             s = run(setup(model, args.hardware, efficiency) + [
                 "failures=trace", f"failures.path={ROOT / 'conf' / 'traces' / f'{trace}.csv'}",

@@ -36,6 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ftbench.chaos import STRATEGIES, Result, random_case, run_case  # noqa: E402
 
 BUGS = ("different", "crashed")
+# wall time of the default run, extrapolated from measured runs (MORE: what was measured)
+DURATION = "about 15 min (quiet) to 1 hour (heavy load) on 2 shared cores, extrapolated: 3-17 s per local run"
+MORE = ("measured: 8 local runs took 23-40 s at light load, 135 s under heavy load; --backend sim: 200 "
+        "runs in 30 s to 2 min")
 
 
 def _init_worker() -> None:
@@ -130,7 +134,8 @@ def format_bugs(results: list[Result]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=f"Typical duration: {DURATION}; {MORE}.")
     parser.add_argument("--cases", type=int, default=200, help="runs in all (seed x strategy)")
     parser.add_argument("--seed", type=int, default=0, help="first seed")
     parser.add_argument("--strategies", default="all", help=f"comma-separated, of {','.join(STRATEGIES)}")
@@ -143,6 +148,9 @@ def main(argv=None) -> int:
     if unknown or not strategies or args.cases < 1:
         parser.error(f"unknown strategies {unknown}" if unknown else "need at least one strategy and one case")
     os.environ.setdefault("WANDB_MODE", "disabled")
+    per_run = "3-17 s per run" if args.backend == "local" else "0.2-0.7 s per run"
+    print(f"random_failures.py: {args.cases} runs on {args.backend}, a progress bar on stderr; {per_run} on "
+          "2 shared cores, depending on load", file=sys.stderr, flush=True)
     results = run_all(plan_cases(args.cases, args.seed, strategies), args.backend, args.jobs, args.timeout)
     print(f"\n{len(results)} runs on {args.backend}, seeds {args.seed}..{max(r.case.seed for r in results)}\n")
     print(format_table(results, args.backend))

@@ -106,6 +106,8 @@ QUICK_DPS = (2, 4)
 # another stage in another pipeline (every stage keeps a replica, even at dp 2).
 FAILURE_SETS = {1: ((0, 1),), 2: ((0, 1), (1, 2))}
 GANTT_SETUP, GANTT_DP, GANTT_FAILURES = SETUPS[0], 4, 1
+# measured wall time of the default run
+DURATION = "15-65 s on 2 shared cores (--quick: 10-40 s; one setup, e.g. --dp 4: about 10 s)"
 
 
 # -- running the strategies ------------------------------------------------------------------
@@ -568,7 +570,7 @@ def single(args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"Typical duration: {DURATION}.")
     ap.add_argument("--full", action="store_true", help="the full ablation (the default without setup options)")
     ap.add_argument("--quick", action="store_true", help="full ablation at dp 2 and 4 only")
     ap.add_argument("--verbose", "-v", action="store_true", help="full ablation: also every setup's table")
@@ -588,6 +590,9 @@ def main() -> None:
     one = any(v is not None for v in (args.dp, args.pp, args.microbatches, args.model, args.hardware, args.stages))
     if one and (args.full or args.quick):
         ap.error("--full/--quick run the fixed set of setups; leave out --dp/--pp/--model/... (or use those alone)")
+    print(f"recycle_ablation.py: ReCycle's levels on the simulator, "
+          f"{'one setup' if one else 'dp 2 and 4' if args.quick else 'the full ablation'}, progress on stderr; "
+          f"typically {DURATION}", file=sys.stderr, flush=True)
     single(args) if one else full(args)
 
 

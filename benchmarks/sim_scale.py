@@ -28,9 +28,10 @@ first failure.
     python benchmarks/sim_scale.py [--scale 1024|16k] [--gpus-per-node N] [--strategies a,b]
                                    [--limit-s 600] [--growth] [extra Hydra overrides...]
 
-Typical duration: about 15 s at 1,024 GPUs, about 90 s at 16k with 8 per node, about 3 min at
-16k with 1 per node, and --growth about 5 min; with 1 GPU per node recycle runs to --limit-s
-(its planner schedules the whole coupled grid op by op at each failure: see the README).
+Typical duration on 2 shared cores: 11-21 s at 1,024 GPUs, 3-4.5 min at 16k with 8 per node
+(recycle 1.5-3 min of it); with 1 GPU per node recycle runs to --limit-s (its planner schedules
+the whole coupled grid op by op at each failure: see the README); --growth not re-measured
+(earlier: about 5 min).
 """
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 SCALES = {"1024": "sim-6.7b-1024gpu", "16k": "sim-6.7b-16k"}
 BENCH_FILE = "sim_scale.json"  # what a child adds to summary.json: its stopwatches
+# measured wall time of the default run (MORE: other options)
+DURATION = "11-21 s on 2 shared cores at 1,024 GPUs"
+MORE = ("--scale 16k 3-4.5 min (recycle 1.5-3 min of it); with --gpus-per-node 1 recycle runs to "
+        "--limit-s; --growth not re-measured (earlier: about 5 min)")
 
 
 class Stopwatch:
@@ -168,9 +173,7 @@ def row(name: str, s: dict) -> str:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="Typical duration: about 15 s at 1,024 GPUs, 90 s at 16k (3 min with "
-                                            "--gpus-per-node 1), --growth 5 min; recycle with 1 GPU per node runs "
-                                            "to --limit-s.")
+                                     epilog=f"Typical duration: {DURATION}; {MORE}.")
     parser.add_argument("--scale", choices=sorted(SCALES), default="1024")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="cluster.gpus_per_node (default: 8)")
     parser.add_argument("--strategies", default=None, help="comma-separated (default: every registered one)")
@@ -183,6 +186,8 @@ def main(argv: list[str]) -> None:
     if args.child:
         child(args.child, args.run_dir, extra)
         return
+    print(f"sim_scale.py: every strategy on the simulator at {args.scale} GPUs, a row per strategy; "
+          f"typically {DURATION}", file=sys.stderr, flush=True)
     from ftbench.strategies import REGISTRY
 
     names = args.strategies.split(",") if args.strategies else list(REGISTRY)

@@ -2,7 +2,7 @@
 
     python benchmarks/swift.py [--quick] [--plot swift.png] [--parallel 4]
 
-Typical duration: about 15 s (--quick: 5 s) on 2 cores; every row is a simulated run.
+Typical duration: 9-30 s (--quick: 8-40 s) on 2 shared cores, depending on load; every row is a simulated run.
 
 Setups (one failure in each run; every strategy sees the same one):
   swift-eval   Swift's own evaluation setup as its scripts give it (conf/experiment/swift-eval.yaml
@@ -39,11 +39,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ftbench.cli import compose  # noqa: E402
-from ftbench.run import execute  # noqa: E402
-
 # (label, overrides) of each setup
 GPT3 = {"gpt3-medium": (4, 4, 8), "gpt3-2.7b": (8, 4, 16), "gpt3-6.7b": (8, 4, 16)}  # pp, dp, micro-batches
+# measured wall time of the default run
+DURATION = "9-30 s on 2 shared cores, depending on load (--quick: 8-40 s)"
 COMMON = ("backend=sim", "report.gantt=false", "report.progress=false", "wandb.mode=disabled",
           "report.check_fault_free=false")
 
@@ -72,6 +71,9 @@ def rows(parallel: int) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def one(folder: Path, overrides: tuple[str, ...]) -> dict:
+    from ftbench.cli import compose  # here, not at the top: --help and the header come first
+    from ftbench.run import execute
+
     return execute(compose(list(COMMON + overrides)), folder, echo=lambda *_: None)
 
 
@@ -96,11 +98,12 @@ def measure(quick: bool, parallel: int, echo=print) -> dict[str, dict[str, dict]
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog="Typical duration: about 15 s (--quick: 5 s).")
+                                     epilog=f"Typical duration: {DURATION}.")
     parser.add_argument("--quick", action="store_true", help="Swift's setup and GPT-3 Medium only")
     parser.add_argument("--parallel", type=int, default=4, help="parallel recovery's workers per replayed one")
     parser.add_argument("--plot", type=Path, default=Path("swift.png"), help="total times as bars ('' for none)")
     args = parser.parse_args(argv)
+    print(f"swift.py: a row per simulated run; typically {DURATION}", file=sys.stderr, flush=True)
     print("Swift vs checkpoint restart, CheckFreq, Elastic Horovod (sim; one failure per run; times in s)",
           flush=True)
     started = time.perf_counter()

@@ -3,7 +3,7 @@
     python benchmarks/swift_logging.py [--models gpt3-medium gpt3-2.7b gpt3-6.7b] [--pp 8]
         [--microbatches 16] [--interval 100] [--parallel 1] [--plot swift_logging.png]
 
-Typical duration: about 5 s (the cost model only; nothing is trained or simulated).
+Typical duration: 2-5 s on 2 shared cores (the cost model only; nothing is trained or simulated).
 
 Each pipeline stage is a machine (one GPU per node: a logging group is a machine by default
 in Swift), the layers cut by the cost model's balanced partition. For every model the greedy
@@ -20,16 +20,23 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ftbench.cli import compose  # noqa: E402
-from ftbench.context import RunContext  # noqa: E402
-from ftbench.planning.swift import SelectiveLogging  # noqa: E402
+if TYPE_CHECKING:
+    from ftbench.planning.swift import SelectiveLogging
+
+# measured wall time of the default run
+DURATION = "2-5 s on 2 shared cores (the cost model only)"
 
 
 def logging_of(model: str, pp: int, microbatches: int, interval: int, parallel: int, hardware: str) -> SelectiveLogging:
+    from ftbench.cli import compose  # here, not at the top: --help and the header come first
+    from ftbench.context import RunContext
+    from ftbench.planning.swift import SelectiveLogging
+
     cfg = compose(["backend=sim", f"model={model}", f"hardware={hardware}", f"cluster.pp={pp}", "cluster.dp=1",
                    f"train.microbatches={microbatches}", "train.microbatch_size=1"])
     ctx = RunContext.from_config(cfg)
@@ -43,7 +50,7 @@ def logging_of(model: str, pp: int, microbatches: int, interval: int, parallel: 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog="Typical duration: about 5 s.")
+                                     epilog=f"Typical duration: {DURATION}.")
     parser.add_argument("--models", nargs="+", default=["gpt3-medium", "gpt3-2.7b", "gpt3-6.7b"])
     parser.add_argument("--pp", type=int, default=8, help="pipeline stages, one machine each (default 8)")
     parser.add_argument("--microbatches", type=int, default=16, help="per iteration (default 16)")
@@ -52,6 +59,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hardware", default="a100-80gb")
     parser.add_argument("--plot", type=Path, default=Path("swift_logging.png"), help="the curves' PNG ('' for none)")
     args = parser.parse_args(argv)
+    print(f"swift_logging.py: Swift's selective logging, log bytes vs recovery time; typically {DURATION}", file=sys.stderr, flush=True)
     print(f"Swift selective logging: pp {args.pp} (a machine per stage), {args.microbatches} micro-batches, "
           f"checkpoint every {args.interval} iterations, replay parallel {args.parallel}", flush=True)
     curves = {}
