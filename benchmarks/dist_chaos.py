@@ -12,6 +12,10 @@ the simulator's prediction of the recovery actions on the same hardware profile
 With `--unannounced`, nothing is scripted: a seeded random process dies after a seeded random
 number of its ops of a seeded random iteration (`backend.kill`), and the survivors must notice,
 agree, roll back to the iteration's start and let the strategy recover (backend.unannounced).
+These trials run with the default `backend.timeout_s` (60 s): each prints its death-to-regroup
+time (from the dead rank's last heartbeat until the slowest survivor has its new process
+groups), and the run ends with their median and worst beside what `sim` charges for the same
+step (a Rendezvous, `rendezvous_s` of hardware=cpu).
 
 With `--during-recovery` (two standby nodes: 6 processes), the scripted failure is followed
 by the death of another seeded random process (a standby included) while the recovery from it runs
@@ -51,6 +55,10 @@ EXTRA = {"checkpoint": ("strategy.every=2",), "checkfreq": ("strategy.every=2",)
          "swift": ("strategy.every=2",)}
 DEADLINE_S = 240
 OPS = 9  # --unannounced: a process dies after 0 to OPS - 1 of its ops (each worker runs more)
+# wall time of the default run, extrapolated from measured runs (MORE: what was measured)
+DURATION = "about 80-90 min on 2 shared cores, extrapolated: 20 trials x 8 strategies at 30-35 s per trial"
+MORE = ("measured at light load, per trial: 30-35 s scripted, 35-40 s --unannounced, 45-55 s "
+        "--during-recovery; about 80 s each under heavy load")
 
 
 def marked(marker: str) -> list[int]:
@@ -80,7 +88,7 @@ def trial(strategy: str, node: int, iteration: int, folder: Path, ops: int | Non
     started = time.monotonic()
     try:
         subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", f"strategy={strategy}", *SETUP,
-                        *EXTRA.get(strategy, ()), failure, *(() if ops is None else ("backend.timeout_s=10",)),
+                        *EXTRA.get(strategy, ()), failure, *(() if ops is None else ("backend.timeout_s=60",)),
                         *during,
                         f"hydra.run.dir={folder}"], cwd=ROOT, env=env, capture_output=True, timeout=DEADLINE_S)
         timed_out = False
@@ -111,6 +119,16 @@ def trial(strategy: str, node: int, iteration: int, folder: Path, ops: int | Non
             "measured": summary.get("measured_recoveries") or [], "error": summary.get("error")}
 
 
+def rendezvous_s() -> float:
+    """What `sim` charges for a Rendezvous on hardware=cpu: the survivors agree and rebuild."""
+    from omegaconf import OmegaConf
+
+    from ftbench.config import HardwareConfig
+
+    return OmegaConf.merge(OmegaConf.structured(HardwareConfig),
+                           OmegaConf.load(ROOT / "conf" / "hardware" / "cpu.yaml")).rendezvous_s
+
+
 MODES = ("scripted", "unannounced", "during-recovery")
 
 
@@ -126,7 +144,8 @@ def draw(rng: random.Random, mode: str) -> tuple[str, int, int, int | None, int 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=f"Typical duration: {DURATION}; {MORE}.")
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -140,10 +159,15 @@ def main(argv: list[str]) -> int:
         "during-recovery" if args.during_recovery else "scripted"
     rng = random.Random(args.seed)
     failed = 0
+    regroups = []  # death_to_regroup_s of every death of every trial
+    strategies = args.strategies.split(",")
+    print(f"dist_chaos.py: {args.trials} {mode} trial(s) for each of {len(strategies)} strategies on backend=dist, "
+          "a line per trial; 30-80 s per trial on 2 shared cores, depending on load",
+          file=sys.stderr, flush=True)
     print(f"{'strategy':<16} {'trial':>5} {'node':>4} {'iter':>4} {'status':<14} {'wall s':>7} "
-          f"{'detect s':>8} {'agree s':>7} {'state s':>7} {'first it s':>10} {'passed':>6}"
+          f"{'detect s':>8} {'agree s':>7} {'regroup s':>9} {'state s':>7} {'first it s':>10} {'passed':>6}"
           + ("  also" if mode in ("during-recovery", "mixed") else ""), flush=True)
-    for strategy in args.strategies.split(","):
+    for strategy in strategies:
         phases = []
         for i in range(args.trials):
             _, node, iteration, ops, also = draw(rng, mode)
@@ -152,10 +176,11 @@ def main(argv: list[str]) -> int:
             m = r.get("measured") or [{}]
             m = m[0]
             phases += r.get("measured") or []
+            regroups += [p["death_to_regroup_s"] for p in r.get("measured") or [] if "death_to_regroup_s" in p]
             failed += not r["passed"]
             print(f"{strategy:<16} {i:>5} {node:>4} {iteration:>4} {r['status']:<14} {r['wall_s']:7.1f} "
                   f"{m.get('detection_s', float('nan')):8.2f} {m.get('agreement_s', float('nan')):7.3f} "
-                  f"{m.get('state_transfer_s', 0.0):7.3f} {m.get('first_iteration_s', float('nan')):10.3f} "
+                  f"{m.get('death_to_regroup_s', float('nan')):9.2f} {m.get('state_transfer_s', 0.0):7.3f} {m.get('first_iteration_s', float('nan')):10.3f} "
                   f"{'yes' if r['passed'] else 'NO':>6}" + (f"  {also}" if also is not None else "")
                   + ("" if r["passed"] else f"  {r.get('error') or ''} left={r['left']} timed_out={r['timed_out']}"),
                   flush=True)
@@ -170,6 +195,10 @@ def main(argv: list[str]) -> int:
                   f"predicts {statistics.median(predicted):.3f} s on hardware=cpu, measured/predicted "
                   f"{statistics.median(actions) / max(statistics.median(predicted), 1e-9):.2f}; with detection "
                   f"and agreement {statistics.median(total):.2f} s", flush=True)
+    if regroups:
+        print(f"\ndeath to regroup over {len(regroups)} deaths: median {statistics.median(regroups):.2f} s, worst "
+              f"{max(regroups):.2f} s (backend.timeout_s 60); sim charges rendezvous_s = {rendezvous_s():g} s "
+              "(hardware=cpu) for the survivors to agree and rebuild their groups", flush=True)
     print(f"\n{failed} trial(s) failed")
     return 1 if failed else 0
 

@@ -7,7 +7,8 @@ backend only when a local run starts (tests/test_startup.py).
 Exit codes: 0 when the run finished with status "ok"; 2 for a setting the user must fix
 (status "error"); 3 when the run ended early as a result ("oom", "unrecoverable"); 4 when a
 local run's own equivalence check found it trained another model than fault-free training
-(status "diverged": a bug in a strategy or the harness). In a
+(status "diverged": a bug in a strategy or the harness); 5 when a dist process died where no
+failure was scripted and backend.unannounced=stop ended the run (status "died"). In a
 --multirun sweep a job that ends early is a result like any other: the sweep goes on, and
 exits 0 when at least one job ended "ok"; when none did, 3 (2 when every job was a setting
 error), from the Hydra callback ftbench.report.SweepCheck (conf/config.yaml,
@@ -30,7 +31,7 @@ from ftbench.config import register_configs
 from ftbench.paths import CONF_DIR
 from ftbench.run import AVAILABLE_BACKENDS, execute
 
-EXIT_CODES = {"ok": 0, "error": 2, "oom": 3, "unrecoverable": 3, "diverged": 4}
+EXIT_CODES = {"ok": 0, "error": 2, "oom": 3, "unrecoverable": 3, "diverged": 4, "died": 5}
 DISTRIBUTION = "ftbench"
 
 

@@ -1,6 +1,6 @@
 """Run records: `metrics.jsonl` (streamed), `summary.json` (atomic) and an optional W&B mirror.
 
-The two files are the contract other tools read (README.md, "Outputs"); W&B is a
+The two files are the contract other tools read (docs/outputs.md); W&B is a
 convenience on top and must never be the reason a run fails. `WandbSink` mirrors one run (its docstring says what lands where); `log_sweep_table` logs one table of a
 sweep folder's summaries.
 """
@@ -23,7 +23,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "iterations", "samples", "time_s", "throughput", "ettr", "productive_s", "failures", "recoveries",
     "peak_memory_bytes", "status", "error",
 )
-STATUSES = ("ok", "oom", "unrecoverable", "diverged", "error")  # diverged: differs from fault-free training
+STATUSES = ("ok", "oom", "unrecoverable", "diverged", "error", "died")  # diverged: differs from fault-free training; died: dist, backend.unannounced=stop
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

@@ -139,6 +139,33 @@ def test_bad_unannounced_settings_are_refused(tmp_path, override, message):
     assert override.split("=")[0] in summary["error"]
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (("cluster.spares=1", "backend.kill=99:1:2"), "rank 99 does not exist: the job has 5 processes (ranks 0..4: "
+                                                  "5 nodes, 1 per node"),
+    (("strategy=checkpoint", "strategy.every=2", "backend.kill=1:2:save"),
+     "no checkpoint follows iteration 2: strategy checkpoint saves every 2 iterations, after iterations [1]"),
+    (("strategy=oobleck", "backend.kill=1:1:save"), "strategy oobleck writes no checkpoint"),
+    (("failures=scripted", "failures.events=[{iteration:2,node:1}]", "backend.kill=3:1:recovery"),
+     "no recovery is performed at iteration 1: the failure script has events at iterations [2]"),
+    (("backend.stall=0:1:3",), "no recovery is performed at iteration 1: the failure script has no event"),
+    (("backend.stall=7:1:3",), "rank 7 does not exist"),
+])
+def test_a_kill_that_can_never_strike_is_refused(tmp_path, overrides, message):
+    """backend.kill (and backend.stall) naming a rank the job lacks, or a checkpoint or a
+    recovery the run never performs, would let a chaos run pass without its death."""
+    summary = run(tmp_path, "backend=dist", "model=gpt-tiny", "cluster.pp=2", "cluster.dp=2", "train.iterations=4",
+                  *overrides)
+    assert summary["status"] == "error" and message in summary["error"], summary["error"]
+    assert overrides[-1].split("=")[0] in summary["error"]
+
+
+@pytest.mark.parametrize("backend,override", [("local", "backend.kill=1:1:2"), ("sim", "backend.stall=0:1:3")])
+def test_dist_chaos_settings_are_refused_on_other_backends(tmp_path, backend, override):
+    summary = run(tmp_path, f"backend={backend}", "model=gpt-tiny", override)
+    assert summary["status"] == "error", summary
+    assert f"backend={backend} has no processes to" in summary["error"] and override.split("=")[0] in summary["error"]
+
+
 def test_kill_points():
     from ftbench.distributed.launch import parse_kill
 

@@ -264,3 +264,11 @@ def test_the_readme_is_a_front_page():
 def test_help_and_version(flag):
     out = subprocess.run([sys.executable, "-m", "ftbench", flag], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ftbench" in out.stdout
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run is the quick start's second command, step by step: what a newcomer runs is what CI runs."""
+    readme = next(c for _, c in shell_commands() if "pytest" in c and c.startswith("pip install"))
+    script = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    steps = [line for line in script if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert " && ".join(steps) == readme

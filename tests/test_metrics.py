@@ -37,7 +37,7 @@ def wandb_cfg(mode: str, group: str | None = None):
 
 def test_summary_keys_cover_the_contract():
     assert set(SUMMARY_KEYS) >= {"strategy", "recoveries", "peak_memory_bytes", "status", "error"}
-    assert STATUSES == ("ok", "oom", "unrecoverable", "diverged", "error")
+    assert STATUSES == ("ok", "oom", "unrecoverable", "diverged", "error", "died")
 
 
 def test_each_line_is_readable_before_close(tmp_path):

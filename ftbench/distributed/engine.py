@@ -28,8 +28,8 @@ import torch
 
 from ftbench.actions import FILE, MEMORY, SNAPSHOT
 from ftbench.distributed.membership import log
-from ftbench.distributed.transport import (DistAbort, DistError, DistTimeout, DistTransport, describe_error, p2p_order,
-                                   plan_crc)
+from ftbench.distributed.transport import (DistAbort, DistError, DistTransport, UnannouncedDeath, WaitFailed,
+                                           describe_error, p2p_order, plan_crc)
 from ftbench.engine.boundary_log import LoggingTransport, ReplayTransport, logged_key
 from ftbench.engine.transport import ACT
 from ftbench.errors import ResultError
@@ -560,6 +560,20 @@ def _die(why: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _death(store, dead) -> float:
+    """When the first of `dead` died: its last heartbeat (wall clock)."""
+    from ftbench.distributed.membership import last_beat_s
+
+    return min(last_beat_s(store, sorted(dead)).values())
+
+
+def _phases(rank: int, death: float, detected: float, agreed: float, regrouped: float) -> dict:
+    """Survivor `rank`'s recovery phases, measured from the death (wall-clock times): until it
+    knew who died, until the survivors agreed, until its new groups were built."""
+    return {"detection_s": detected - death, "agreement_s": agreed - detected, "new_group_s": regrouped - agreed,
+            "death_to_regroup_s": regrouped - death, "rank": rank}
+
+
 def _on_cpu(obj):
     """A shard with its tensors in host memory (what crosses processes as a pickled object)."""
     return to_device(obj, torch.device("cpu"))
@@ -663,30 +677,35 @@ class DistBackend:
             engine.run_iteration(plan, iteration, completed=completed)
         if t.rank in victims:
             _die("its node fails here (the failure script): every process of it")
-        struck = time.perf_counter()
         undone = engine.abandon_iteration()  # survivors that stepped go back to the iteration's start
         try:
-            dead, detect_s = detect(self.store, t.alive, t.timeout_s)
+            dead, _ = detect(self.store, t.alive, t.timeout_s)
+            detected = time.time()
             if dead != victims:
                 raise MembershipError(f"node {node} failed (ranks {sorted(victims)}), but the dead ranks are "
                                       f"{sorted(dead)}")
             survivors = [r for r in t.alive if r not in dead]
-            agree_s = agree(self.store, t.epoch + 1, t.rank, survivors, dead, t.timeout_s)
+            agree(self.store, t.epoch + 1, t.rank, survivors, dead, t.timeout_s)
         except Fenced as err:
             _die(str(err))
         except MembershipError as err:
             raise DistError(f"rank {t.rank}: {err}") from None
-        started = time.perf_counter()
+        agreed = time.time()
+        death = _death(self.store, dead)
         t.regroup(survivors)
         for r in dead:
             del self.node_of_rank[r]
-        self._pending = {"iteration": iteration, "node": node, "dead_ranks": sorted(dead),
-                         "detection_s": detect_s, "agreement_s": agree_s,
-                         "new_group_s": time.perf_counter() - started, "struck_to_regrouped_s": 0.0}
-        self._pending["struck_to_regrouped_s"] = time.perf_counter() - struck
+        phases = self._slowest(_phases(t.rank, death, detected, agreed, time.time()))
+        self._pending = {"iteration": iteration, "node": node, "dead_ranks": sorted(dead), **phases}
         if not any(op.kind == OPT for op in completed):
             return 0  # nothing stepped: no rank undid anything (and no sum to wait for)
         return self._job_undone(undone, f"the failure in iteration {iteration}")
+
+    def _slowest(self, phases: dict) -> dict:
+        """The phases of the survivor that regrouped last after a death (every survivor calls
+        this in the new group, and all keep the same): the job recovered when it had."""
+        everyone = self.engine.transport.all_gather_objects(phases, "share the measured recovery phases")
+        return max(everyone, key=lambda p: p["death_to_regroup_s"])
 
     def _job_undone(self, undone: int, where: str) -> int:
         """The survivors' undone steps summed (every survivor calls it, in the new group): the
@@ -721,45 +740,49 @@ class DistBackend:
         from ftbench.distributed.membership import Fenced, MembershipError, aborted, agree, detect
 
         t = self.engine.transport
-        struck = time.perf_counter()
         log.info("a wait failed in %s: %s", where, describe_error(err))
+        t.abandon(f"rank {t.rank} in {where}: {describe_error(err)}")  # the others stop waiting too
         try:
-            # The peers of a dead rank fail at once; ranks waiting on those peers only at their
-            # own deadline: allow for both before giving up on agreement.
-            dead, detect_s = detect(self.store, t.alive, t.timeout_s)
+            # Everyone's waits end within seconds (the alarm), so every survivor looks for the
+            # dead at about the same time; nobody dead: the wait's own error stands.
+            dead, _ = detect(self.store, t.alive, t.timeout_s)
         except MembershipError:
-            raise err from None  # nobody died: the wait's own error
+            raise err from None
+        detected = time.time()
         stopped = aborted(self.store, sorted(dead))
         if stopped:  # they did not fail: they ended the job with an error, which stands here too
             raise DistAbort(f"rank {t.rank}: " + "; ".join(f"rank {r} stopped the job: {why}"
                                                            for r, why in stopped.items())) from None
         nodes = sorted({self.node_of_rank[r] for r in dead})
         if not self.recover:
-            raise DistError(f"rank {t.rank}: ranks {sorted(dead)} (nodes {nodes}) died in {where}, "
-                            "and no failure was scripted there (backend.unannounced=stop)") from None
+            raise UnannouncedDeath(f"rank {t.rank}: ranks {sorted(dead)} (nodes {nodes}) died in {where}, "
+                                   "and no failure was scripted there (backend.unannounced=stop)") from None
+        death = _death(self.store, dead)  # the first death: the rest of its node may die later
         victims = {r for r, n in self.node_of_rank.items() if n in nodes and r in t.alive}
         if t.rank in victims:
             _die("a process of its node died: the node fails whole")
         try:
             while victims - dead:  # the rest of those nodes stops once it notices too
-                more, more_s = detect(self.store, sorted(victims - dead), 2 * t.timeout_s)
-                dead, detect_s = dead | more, detect_s + more_s
+                more, _ = detect(self.store, sorted(victims - dead), 2 * t.timeout_s)
+                dead = dead | more
+            detected = time.time()
             survivors = [r for r in t.alive if r not in victims]
-            agree_s = agree(self.store, t.epoch + 1, t.rank, survivors, victims, 3 * t.timeout_s)
+            agree(self.store, t.epoch + 1, t.rank, survivors, victims, 3 * t.timeout_s)
         except Fenced as error:
             _die(str(error))
         except MembershipError as error:
             raise DistError(f"rank {t.rank}: {error}") from None
+        agreed = time.time()
         if before_regroup is not None:
             before_regroup()
-        started = time.perf_counter()
         t.regroup(survivors)
         for r in victims:
             del self.node_of_rank[r]
+        phases = self._slowest(_phases(t.rank, death, detected, agreed, time.time()))
+        log.info("ranks %s died; the survivors regrouped %.2f s after the death (rank %d last)", sorted(victims),
+                 phases["death_to_regroup_s"], phases["rank"])
         return nodes, {"node": nodes[0] if len(nodes) == 1 else nodes, "dead_ranks": sorted(victims),
-                       "unannounced": True, "detection_s": detect_s, "agreement_s": agree_s,
-                       "new_group_s": time.perf_counter() - started,
-                       "struck_to_regrouped_s": time.perf_counter() - struck}
+                       "unannounced": True, **phases}
 
     def perform(self, actions, old, new, iteration: int) -> int | None:
         """The recovery actions, measured. A death while they run (found through a failed wait,
@@ -777,8 +800,7 @@ class DistBackend:
             time.sleep(seconds)
         if self.store is None or not self.recover or not actions:
             return self._perform(actions, old, new, iteration, {}, self._pending)
-        with self.engine.transport.watched():  # a death meanwhile ends a wait within seconds
-            return self._perform_again_if_interrupted(actions, old, new, iteration)
+        return self._perform_again_if_interrupted(actions, old, new, iteration)
 
     def _perform_again_if_interrupted(self, actions, old, new, iteration: int) -> int | None:
         from ftbench.loop import FailuresDiscovered
@@ -789,7 +811,7 @@ class DistBackend:
             try:
                 restored = self._perform(actions, old, new, iteration, phases, pending, lost=lost)
                 break
-            except (DistTimeout, RuntimeError) as err:  # a wait failed (other errors stand)
+            except (WaitFailed, RuntimeError) as err:  # a wait failed (other errors stand)
                 wasted += time.perf_counter() - started  # until a wait failed: a few seconds (watched waits)
                 try:
                     nodes, record = self._lose(err, f"the recovery at iteration {iteration}")
@@ -805,7 +827,8 @@ class DistBackend:
         merged = {"iteration": iteration, **lost[-1], "dead_ranks": sorted(r for x in lost for r in x["dead_ranks"]),
                   "detection_s": sum(x["detection_s"] for x in lost),
                   "agreement_s": sum(x["agreement_s"] for x in lost),
-                  "new_group_s": sum(x["new_group_s"] for x in lost), "during_recovery": True}
+                  "new_group_s": sum(x["new_group_s"] for x in lost),
+                  "death_to_regroup_s": sum(x["death_to_regroup_s"] for x in lost), "during_recovery": True}
         self._pending = merged
         raise FailuresDiscovered(_lost_nodes(lost), f"ranks {merged['dead_ranks']} stopped beating during the recovery",
                                  restored=restored)
@@ -909,9 +932,6 @@ class DistBackend:
         if self._dies_in_save(iteration):
             _die("backend.kill=RANK:ITERATION:save")
         try:
-            if self.store is not None and self.recover:
-                with self.engine.transport.watched():  # a death meanwhile ends a wait within seconds
-                    return self._save(plan, iteration, mode)
             return self._save(plan, iteration, mode)
         except (DistError, RuntimeError) as err:
             if self.store is None:

@@ -80,6 +80,7 @@ def check_config(cfg, strategy, clock: str) -> None:
         if parsed[1] >= cfg.train.iterations:
             raise ConfigError("backend.kill", f"iteration {parsed[1]} is past the run's {cfg.train.iterations} "
                               "iterations", "pick an iteration the run reaches")
+        _check_kill_fires(cfg, strategy, *parsed)
     stall = cfg.backend.get("stall")
     if stall is not None:
         parsed = parse_stall(stall)
@@ -90,6 +91,8 @@ def check_config(cfg, strategy, clock: str) -> None:
         if parsed[1] >= cfg.train.iterations:
             raise ConfigError("backend.stall", f"iteration {parsed[1]} is past the run's {cfg.train.iterations} "
                               "iterations", "pick an iteration the run reaches")
+        _check_rank(cfg, "backend.stall", parsed[0])
+        _check_recovery_at(cfg, "backend.stall", parsed[1])
     d = cfg.backend.get("deadline_s")
     if d is not None and not d > 0:
         raise ConfigError("backend.deadline_s", f"must be a positive number of seconds or null, got {d}",
@@ -103,6 +106,69 @@ def check_config(cfg, strategy, clock: str) -> None:
         if getattr(strategy, "checkpoint_mode", None) is not None and cfg.strategy.get("every", 1) is None:
             raise ConfigError("strategy.every", f"a measured checkpoint interval on backend=dist is not implemented "
                               f"yet: {why}", "set strategy.every to a number of iterations, or use backend.clock=model")
+
+
+def refuse_dist_settings(cfg) -> None:
+    """backend.kill and backend.stall on a backend other than dist, which would ignore them."""
+    for setting in ("kill", "stall"):
+        if cfg.backend.get(setting) is not None:
+            raise ConfigError(f"backend.{setting}", f"backend={cfg.backend.name} has no processes to "
+                              f"{'kill' if setting == 'kill' else 'pause'}: only backend=dist acts on it",
+                              f"drop backend.{setting}, or use backend=dist")
+
+
+def _check_kill_fires(cfg, strategy, rank: int, iteration: int, where) -> None:
+    """backend.kill names a rank of the job and a point the run reaches: a death that can never
+    strike is refused, not silently skipped."""
+    _check_rank(cfg, "backend.kill", rank)
+    if where == RECOVERY:
+        _check_recovery_at(cfg, "backend.kill", iteration)
+    elif where == SAVE:
+        _check_checkpoint_after(cfg, strategy, iteration)
+
+
+def _check_rank(cfg, setting: str, rank: int) -> None:
+    from ftbench.cluster import Cluster
+
+    cluster = Cluster.from_config(cfg.cluster)
+    nodes = job_nodes(cfg, cluster)
+    ranks = nodes * cluster.gpus_per_node
+    if rank >= ranks:
+        raise ConfigError(setting, f"rank {rank} does not exist: the job has {ranks} processes (ranks 0..{ranks - 1}: "
+                          f"{nodes} nodes, {cluster.gpus_per_node} per node, standbys and joining nodes included)",
+                          f"name a rank below {ranks}")
+
+
+def _check_recovery_at(cfg, setting: str, iteration: int) -> None:
+    """A recovery is performed at `iteration` only where the failure script has an event then
+    (with times rather than iterations, it may be anywhere)."""
+    events = list(cfg.failures.events or ()) if cfg.failures.kind == "scripted" else []
+    if any(e.get("iteration") is None for e in events):
+        return
+    at = sorted({int(e["iteration"]) for e in events})
+    if iteration not in at:
+        raise ConfigError(setting, f"no recovery is performed at iteration {iteration}: the failure script has "
+                          + (f"events at iterations {at}" if at else "no event"),
+                          "pick the iteration of a scripted failure or join")
+
+
+def _check_checkpoint_after(cfg, strategy, iteration: int) -> None:
+    """A checkpoint follows iteration K when the strategy writes one every `every` iterations
+    and K + 1 is a multiple of it (none after the run's last iteration). A tuned interval, or
+    a strategy that also saves after each recovery (varuna), may save anywhere."""
+    name = cfg.strategy.name
+    if getattr(strategy, "checkpoint_mode", None) is None:
+        raise ConfigError("backend.kill", f"strategy {name} writes no checkpoint, so the death in the checkpoint "
+                          f"after iteration {iteration} never strikes", "kill among the ops (RANK:ITERATION:OPS), "
+                          "or pick a strategy that checkpoints")
+    every = getattr(strategy, "every", None)
+    if every is None or getattr(strategy, "checkpoint_after_change", False):
+        return
+    saves = list(range(every - 1, cfg.train.iterations - 1, every))
+    if iteration not in saves:
+        raise ConfigError("backend.kill", f"no checkpoint follows iteration {iteration}: strategy {name} saves "
+                          f"every {every} iterations, after iterations {saves or 'none of this run'}",
+                          "pick one of those iterations")
 
 
 UNANNOUNCED = ("recover", "stop")  # backend.unannounced
@@ -391,7 +457,7 @@ def _result(store, folder: Path, started: float, where: str) -> dict:
         return pickle.loads(prefixed.get(RESULT_KEY))
     root = first_error(folder)
     if root is not None:
-        raise DistError(f"rank {root['rank']} failed: {root['error']} ({where})")
+        raise DistError(f"rank {root['rank']} failed: {root['error']} ({where})", root.get("status"))
     raise DistError(f"the dist job ended without results after {time.monotonic() - started:.1f} s ({where})")
 
 
@@ -449,7 +515,8 @@ def launch(entrypoint, args: tuple, processes: int, timeout: float, deadline: fl
                             f"stopped; rank logs in {folder / 'logs'}") from None
         root = first_error(folder)
         if root is not None:
-            raise DistError(f"rank {root['rank']} failed: {root['error']} (rank logs in {folder / 'logs'})") from None
+            raise DistError(f"rank {root['rank']} failed: {root['error']} (rank logs in {folder / 'logs'})",
+                            root.get("status")) from None
         if isinstance(err, Exception):
             raise DistError(f"the dist job failed after {time.monotonic() - started:.1f} s: "
                             f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__} "

@@ -13,6 +13,12 @@ runs. A rank that stops with an error rather than dying says so first (`post_abo
 whoever then finds it silent stops the job too, instead of recovering from a failure that
 did not happen.
 
+A death must reach every survivor within seconds, whatever it waits on: the first rank that
+stops waiting in an epoch posts the epoch's *alarm* (`Alarm`), and every watched wait gives
+up on seeing it (ftbench.distributed.transport), so all survivors detect at about the same
+time. Each beat also dates itself (the counter is the time of the last beat, in ms), so a
+recovery is measured from the death, not from whenever a survivor noticed it.
+
 This is the small part a reconfigurable process group needs on top of torch.distributed;
 torchft packages the same idea (a quorum, then `configure()` of a fresh group per
 membership) but brings a Rust lighthouse and a package outside this project's dependencies.
@@ -71,30 +77,43 @@ def job_store(timeout_s: float):
 
 
 def beats(store, ranks) -> dict[int, int]:
-    """Each rank's heartbeat counter now (0: never beat)."""
+    """Each rank's heartbeat counter now (0: never beat): the time of its last beat, in ms."""
     return {r: store.add(f"hb/{r}", 0) for r in ranks}
+
+
+def last_beat_s(store, ranks) -> dict[int, float]:
+    """Each rank's last beat as a wall-clock time (time.time()): when a dead rank died."""
+    return {r: b / 1000 for r, b in beats(store, ranks).items()}
 
 
 class Heartbeat:
     """This process's beat: a counter in the store, moved every HEARTBEAT_S from a daemon thread
-    (its own store client: the main thread's waits never delay it)."""
+    (its own store client: the main thread's waits never delay it). Each beat adds the time
+    since the previous one, so the counter is the wall-clock time of the last beat in ms: one
+    add both proves the rank alive and dates its death (DistBackend measures from it)."""
 
     def __init__(self, rank: int, timeout_s: float):
         self.rank = rank
         self.store = job_store(timeout_s)
+        self._last = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftbench-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
-        self.store.add(f"hb/{self.rank}", 1)
+        self._last = self.store.add(f"hb/{self.rank}", 0)
+        self._beat()
         self._thread.start()
         return self
+
+    def _beat(self) -> None:
+        # never 0, so the counter always moves (a clock stepped back still moves it)
+        self._last = self.store.add(f"hb/{self.rank}", max(1, int(time.time() * 1000) - self._last))
 
     def _run(self) -> None:
         last, refused = time.perf_counter(), 0
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                self.store.add(f"hb/{self.rank}", 1)
+                self._beat()
             except Exception as err:  # noqa: BLE001 - a slow store, or it went away as the job ends
                 # Keep beating: a thread that gave up here would read as a dead process.
                 if not refused:
@@ -132,19 +151,48 @@ def aborted(store, ranks) -> dict[int, str]:
     return {r: store.get(f"abort/{r}").decode(errors="replace") for r in ranks if store.check([f"abort/{r}"])}
 
 
+class Alarm:
+    """The job's alarm for one membership epoch: the first rank that stops waiting in it (a
+    closed connection, a silent heartbeat, its deadline, or an error that ends it) posts why,
+    and every other rank's waits give up on seeing it (ftbench.distributed.transport), so a
+    death that one rank notices reaches every survivor within a watch period, not at the end
+    of their own deadlines. Only a rank that has left the epoch's collectives posts: nobody
+    could finish them anyway, so an alarm never ends a wait that could still complete."""
+
+    def __init__(self, store, rank: int):
+        self.store, self.rank = store, rank
+        self.epoch = 0  # the transport's: an alarm of an earlier epoch is over once the survivors regrouped
+
+    def post(self, why: str) -> dict:
+        """Post `why` unless another rank was first; the epoch's alarm (this one or the first)."""
+        mine = json.dumps({"rank": self.rank, "why": why})
+        return json.loads(self.store.compare_set(f"alarm/{self.epoch}", "", mine))
+
+    def posted(self) -> dict | None:
+        """The epoch's alarm, {"rank", "why"}, if a rank posted one."""
+        key = f"alarm/{self.epoch}"
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+
 WATCH_STALE_S = 3 * STALE_S  # a watched wait gives up on a peer silent this long (no false alarm on a stall)
 
 
 class Liveness:
     """Which ranks have stopped beating, from repeated looks at their counters (a watched wait
-    asks every WATCH_EVERY_S while it waits: ftbench.distributed.transport)."""
+    asks every WATCH_EVERY_S while it waits: ftbench.distributed.transport). Silence counts
+    only across looks close together: after a long pause between two looks (this process
+    was computing, or stalled itself) the observation starts again."""
 
     def __init__(self, store, stale_s: float = WATCH_STALE_S):
         self.store, self.stale_s = store, stale_s
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its beat, when that beat was first seen)
+        self._looked = None  # when the last look was
 
     def silent(self, ranks) -> list[int]:
         now = time.perf_counter()
+        if self._looked is None or now - self._looked > self.stale_s / 2:
+            self._seen.clear()
+        self._looked = now
         out = []
         for r in ranks:
             beat = self.store.add(f"hb/{r}", 0)

@@ -19,7 +19,19 @@ One process per worker; a worker's rank is its worker id (`rank_of`). What cross
   plan with a small all-reduce.
 
 Every wait has a deadline (`timeout_s`, the process groups' timeout too) and a wait that
-runs past it raises `DistTimeout` naming this worker, the peer and the operation.
+runs past it raises `DistTimeout` naming this worker, the peer and the operation. With
+heartbeats (the per-node layout) every wait is also *watched*, so that a death any rank
+notices reaches every survivor within seconds, whatever it waits on (gloo cannot abort an
+operation in flight, so the waits give up themselves):
+
+- a collective, and a group's creation, is waited for in periods of WATCH_EVERY_S; between
+  two, it gives up when a rank posted the epoch's alarm (`Told`) or a peer's heartbeat went
+  silent (`PeerSilent`). A peer that is alive but slow beats, and is waited for up to the
+  deadline.
+- a rank whose wait failed (a closed connection, `ConnectionLost`, a silent peer, its
+  deadline, an alarm) leaves the epoch (`abandon`): it posts the alarm and closes its groups,
+  so a peer blocked in a send or receive with it, which cannot be waited for in periods (a
+  gloo send or receive that times out closes its connection), sees the connection close.
 
 Groups are torch's gloo (or NCCL) process groups built directly on the job's store, named by
 the membership epoch and their ranks (`Group`): only the members build one, so after a
@@ -31,6 +43,7 @@ the groups it belongs to in one fixed order.
 from __future__ import annotations
 
 import datetime
+import threading
 import zlib
 
 import torch
@@ -43,7 +56,7 @@ from ftbench.layers import GradientSync, fragment_layout
 from ftbench.schedule import B, BW, F, OPT, RSYNC, Op
 
 KIND_CODE = {ACT: 0, GRAD: 1}
-WATCH_EVERY_S = 0.25  # a watched wait looks at the peers' heartbeats this often
+WATCH_EVERY_S = 0.25  # a watched wait looks at the alarm and the peers' heartbeats this often
 MAX_DIMS = 4  # parameters have at most this many dimensions (GPT-2's have 1 or 2)
 
 
@@ -51,8 +64,35 @@ class DistError(UserError):
     """A distributed run that cannot go on: a peer that does not answer, a job past its deadline."""
 
 
-class DistTimeout(DistError):
-    """A wait that ran past `backend.timeout_s`: names the waiting worker, the peer and the op."""
+class WaitFailed(DistError):
+    """A wait that ended without its answer: names the waiting worker, the peer and the op, and
+    why (the subclasses), which the rank's log repeats when it looks for the dead."""
+
+
+class DistTimeout(WaitFailed):
+    """A wait that ran past `backend.timeout_s` with every peer beating: a straggler, or a peer
+    stuck on someone else."""
+
+
+class ConnectionLost(WaitFailed):
+    """gloo reported the connection to a peer closed: its process died, or it left the epoch's
+    groups after a failure of its own (DistTransport.abandon)."""
+
+
+class PeerSilent(WaitFailed):
+    """A peer's heartbeat stopped moving while this rank waited: a dead or frozen process."""
+
+
+class Told(WaitFailed):
+    """Another rank posted the epoch's alarm (ftbench.distributed.membership.Alarm): it stopped
+    waiting, so nobody can finish this wait."""
+
+
+class UnannouncedDeath(DistError):
+    """A process died where no failure was scripted, and backend.unannounced=stop ends the run
+    there: a result of its own (status "died", exit code 5), neither a bad setting nor a bug."""
+
+    status = "died"
 
 
 class DistAbort(RuntimeError):
@@ -66,6 +106,19 @@ def describe_error(err: BaseException) -> str:
     """An exception as one line: its type and its message's first line (gloo's run on)."""
     text = str(err)
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+CLOSED = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")  # gloo's words for a gone peer
+
+
+def _closed(err: BaseException) -> str | None:
+    """gloo's sentence saying a connection closed ("Connection closed by peer [host]:port"), if it is one."""
+    text = str(err)
+    for word in CLOSED:
+        at = text.find(word)
+        if at >= 0:
+            return text[at:].split(". ")[0].splitlines()[0]
+    return None
 
 
 def tag_of(key: Key) -> int:
@@ -149,6 +202,13 @@ class DistTransport:
         self.alive: list[int] = list(range(world))
         self.epoch = 0
         self.worker_rank: dict[int, int] = {}
+        # Watching (with heartbeats: the per-node layout): every collective wait and group
+        # creation also ends when the epoch's alarm is posted or a peer stops beating, and a
+        # rank that leaves the epoch closes its groups (`abandon`). None: waits only have their
+        # deadline (a job without failures).
+        self.alarm = None  # ftbench.distributed.membership.Alarm
+        self.liveness = None  # ftbench.distributed.membership.Liveness of this epoch
+        self._builder = None  # a store client of group creations' own (a client runs one call at a time)
         from ftbench.distributed.membership import job_store
 
         self.store = job_store(self.timeout_s)
@@ -161,12 +221,6 @@ class DistTransport:
         self._state_sends: list = []  # (work, tensor, units, dst) of state copies in flight
         self._reductions: dict = {}  # sync -> (work, buffer(s), members, slots)
         self._prepared = None
-        # A watched collective (in recoveries and checkpoints, with heartbeats running) also
-        # gives up when a peer stops beating: a gloo collective waiting on a dead rank that is
-        # not its neighbour would otherwise wait out timeout_s. Point-to-point waits are never
-        # polled (gloo reports a closed connection at once, and its send/recv never say they
-        # completed), nor is anything in iterations (polling would cost time on every op).
-        self.liveness = None  # ftbench.distributed.membership.Liveness while watched
 
     # -- ranks and groups ---------------------------------------------------------------
     def rank_of(self, worker: int) -> int:
@@ -181,32 +235,93 @@ class DistTransport:
         """The lowest live rank: it writes the metrics, the checkpoint files and the results."""
         return self.alive[0]
 
+    def watch(self, alarm) -> None:
+        """Watch every wait from now on (heartbeats run): see `_watch`."""
+        from ftbench.distributed.membership import Liveness
+
+        self.alarm, self.liveness = alarm, Liveness(self.store)
+        alarm.epoch = self.epoch
+
     def _new_group(self, ranks, name: str = "group") -> "Group":
         """A process group of `ranks` in this membership epoch, created by its members only,
         named by the epoch and its ranks in the job's store (every member derives the same
-        name, and ranks outside it, dead ones included, never need to answer)."""
+        name, and ranks outside it, dead ones included, never need to answer). Watched, the
+        creation runs in a thread of its own, so that the alarm or a silent member ends the
+        wait: gloo's constructor waits for every member's address up to the deadline."""
         ranks = tuple(sorted(ranks))
         prefix = f"pg/{self.epoch}/{name}/{'-'.join(map(str, ranks))}/"
+        what = f"build the process group '{name}' of ranks {list(ranks)} (membership epoch {self.epoch})"
+        if self.alarm is None:
+            try:
+                return Group(self.store, prefix, ranks, self.rank, self.timeout, self.device)
+            except RuntimeError as err:  # a member that never joined: the store's wait, or gloo's connect, timed out
+                raise self._failure(err, f"rank {self.rank}", what) from None
+        from ftbench.distributed.membership import job_store
+
+        if self._builder is None:
+            self._builder = job_store(self.timeout_s)
+        built: list = []
+
+        def build() -> None:
+            try:
+                built.append(Group(self._builder, prefix, ranks, self.rank, self.timeout, self.device))
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                built.append(err)
+
+        thread = threading.Thread(target=build, name="ftbench-new-group", daemon=True)
+        thread.start()
         try:
-            return Group(self.store, prefix, ranks, self.rank, self.timeout, self.device)
-        except RuntimeError as err:  # a member that never joined: the store's wait, or gloo's connect, timed out
-            raise DistTimeout(f"rank {self.rank} waited more than {self.timeout_s:g} s (backend.timeout_s) to build "
-                              f"the process group '{name}' of ranks {list(ranks)} (membership epoch {self.epoch}): "
-                              f"no answer ({describe_error(err)})"
-                              ) from None
+            self._watch(lambda s: (thread.join(s), not thread.is_alive())[1], f"rank {self.rank}", what,
+                        [r for r in ranks if r != self.rank])
+        except WaitFailed:
+            self._builder = None  # the abandoned creation keeps its client until gloo's own deadline
+            raise
+        if isinstance(built[0], BaseException):
+            raise self._failure(built[0], f"rank {self.rank}", what) from None
+        return built[0]
 
     def regroup(self, alive: list[int]) -> None:
         """Continue with the ranks `alive` (every one of them calls this at the same point): a
         new epoch with its own groups; messages and sums in flight are dropped with the old ones."""
         self.alive = sorted(alive)
+        self._close_groups()
         self.epoch += 1
+        if self.alarm is not None:
+            from ftbench.distributed.membership import Liveness
+
+            self.alarm.epoch, self.liveness = self.epoch, Liveness(self.store)
         log.info("regroup: epoch %d, ranks %s", self.epoch, self.alive)
+        self.group = self._new_group(self.alive, "all")
+
+    def abandon(self, why: str) -> dict | None:
+        """This rank leaves the epoch's collectives (a wait of it failed): post the alarm, so
+        every other rank's waits give up too, and close the epoch's groups, so that a peer
+        blocked in a send or receive with this rank (which nothing else can end) sees the
+        connection close. The epoch's alarm (this one, or an earlier rank's)."""
+        if self.alarm is None:
+            return None
+        try:
+            first = self.alarm.post(why)
+        except Exception as err:  # noqa: BLE001 - the store is gone: nobody is waiting any more
+            log.info("could not post the alarm (%s)", describe_error(err))
+            first = None
+        self._close_groups()
+        return first
+
+    def _close_groups(self) -> None:
+        """Drop every group of this epoch (and what is in flight on them). Each is destroyed in a
+        thread of its own: gloo's destructor waits for a collective in flight, which ends only at
+        its peers' closing or its own deadline, while a group of sends and receives closes its
+        connections at once (the peer's pending receive fails: how a departure propagates)."""
+        groups = [g for g in (self.group, *self._pairs.values(), *self._groups.values()) if g is not None]
         self.clear()
         self._pairs.clear()
         self._groups.clear()
         self._slots.clear()
         self._prepared = None
-        self.group = self._new_group(self.alive, "all")
+        self.group = None
+        while groups:  # the thread holds the only reference (no name here keeps one): the destructor runs there
+            threading.Thread(target=_drop, args=([groups.pop()],), name="ftbench-close-group", daemon=True).start()
 
     def prepare(self, plan) -> None:
         """Create the process groups `plan` needs (collective: every rank, same plan, same point)."""
@@ -241,42 +356,55 @@ class DistTransport:
         self._prepared = key
 
     # -- waits --------------------------------------------------------------------------
-    def watched(self):
-        """`with transport.watched():` waits inside also end when a peer stops beating."""
-        return _Watched(self)
-
     def _wait(self, work, what: str, p2p: bool = False) -> None:
         me = f"worker {self.worker} (rank {self.rank})" if self.worker is not None else f"rank {self.rank}"
-        if self.liveness is not None and not p2p:  # gloo's send/recv never say they completed: not polled
-            self._watch(work, what, me)
         try:
-            done = work.wait(timeout=self.timeout)
-        except Exception as err:  # noqa: BLE001 - gloo and NCCL raise different types on a timeout
-            raise DistTimeout(f"{me} waited more than {self.timeout_s:g} s (backend.timeout_s) to {what}: "
-                              f"no answer ({describe_error(err)})"
-                              ) from None
-        if done is False:
-            raise DistTimeout(f"{me} waited more than {self.timeout_s:g} s (backend.timeout_s) to {what}: no answer")
+            if self.alarm is None or p2p:
+                # A gloo send or receive cannot be waited for in slices (one that times out closes
+                # its connection): it ends at its deadline, or when the peer dies or leaves the
+                # epoch (`abandon` closes its groups).
+                done = work.wait(timeout=self.timeout)
+                if done is False:
+                    raise RuntimeError("Timed out: the wait returned unfinished")
+            else:
+                self._watch(lambda s: _waited(work, s), me, what, [r for r in self.alive if r != self.rank])
+        except WaitFailed:
+            raise
+        except Exception as err:  # noqa: BLE001 - gloo and NCCL raise different types
+            raise self._failure(err, me, what) from None
 
-    def _watch(self, work, what: str, me: str) -> None:
-        """Poll `work` until it completes (then `_wait` takes its result), a peer stops beating
-        (DistError naming it) or the deadline passes (DistTimeout)."""
+    def _watch(self, done, me: str, what: str, peers: list[int]) -> None:
+        """Wait until `done(seconds)` (which waits at most that long) says it is done; between
+        two looks, give up when the deadline passed (DistTimeout), a rank posted the epoch's
+        alarm (Told) or one of `peers` stopped beating (PeerSilent). The first look waits a
+        whole period: a wait that completes in it costs nothing more."""
         import time
 
         started = time.perf_counter()
-        look, pause = started, 0.0002
-        while not work.is_completed():
-            now = time.perf_counter()
-            if now - started > self.timeout_s:
+        while not done(WATCH_EVERY_S):
+            waited = time.perf_counter() - started
+            if waited > self.timeout_s:
                 raise DistTimeout(f"{me} waited more than {self.timeout_s:g} s (backend.timeout_s) to {what}: "
-                                  "no answer")
-            if now >= look:
-                silent = self.liveness.silent([r for r in self.alive if r != self.rank])
-                if silent:
-                    raise DistTimeout(f"{me} stopped waiting to {what}: ranks {silent} stopped beating")
-                look = now + WATCH_EVERY_S
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.005)
+                                  "no answer, every peer beating")
+            alarm = self.alarm.posted()
+            if alarm is not None:
+                raise Told(f"{me} stopped waiting to {what} after {waited:.1f} s: told by rank {alarm['rank']} "
+                           f"({alarm['why']})")
+            silent = self.liveness.silent(peers)
+            if silent:
+                raise PeerSilent(f"{me} stopped waiting to {what} after {waited:.1f} s: ranks {silent} stopped "
+                                 f"beating (silent for {self.liveness.stale_s:g} s)")
+
+    def _failure(self, err: BaseException, me: str, what: str) -> WaitFailed:
+        """gloo's (or NCCL's) error of a wait, as what happened: a closed connection or the deadline."""
+        closed = _closed(err)
+        if closed:
+            return ConnectionLost(f"{me} could not {what}: the connection closed ({closed}): the peer died or left "
+                                  "the membership epoch")
+        if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+            return DistTimeout(f"{me} waited more than {self.timeout_s:g} s (backend.timeout_s) to {what}: "
+                               f"no answer ({describe_error(err)})")
+        return WaitFailed(f"{me} could not {what}: {describe_error(err)}")
 
     # -- point to point -----------------------------------------------------------------
     def send(self, key: Key, tensor: torch.Tensor, src: int, dst: int) -> None:
@@ -433,21 +561,6 @@ class DistTransport:
         self._reductions.clear()
 
 
-class _Watched:
-    def __init__(self, transport: DistTransport):
-        self.t = transport
-
-    def __enter__(self):
-        from ftbench.distributed.membership import Liveness
-
-        self.t.liveness = Liveness(self.t.store)
-        return self.t
-
-    def __exit__(self, *exc):
-        self.t.liveness = None
-        return False
-
-
 class Group:
     """A process group of some ranks: torch's own gloo (NCCL on a GPU) process group built on
     a prefix of the job's store, as torchft builds one per membership; `pg` takes the
@@ -464,6 +577,34 @@ class Group:
 
     def index(self, rank: int) -> int:
         return self._index[rank]
+
+    def abort(self) -> None:
+        try:
+            self.pg.abort()
+        except Exception:  # noqa: BLE001 - a backend without abort
+            pass
+
+
+def _drop(holder: list) -> None:
+    """Abort and release the group in `holder`, this thread's only (DistTransport._close_groups):
+    NCCL's abort ends its operations in flight; gloo's does nothing, and its destructor waits
+    for them."""
+    try:
+        holder[0].abort()
+        holder.clear()
+    except Exception:  # noqa: BLE001 - a destructor's error: the group is gone either way
+        pass
+
+
+def _waited(work, seconds: float) -> bool:
+    """Whether `work` completed within `seconds` (its own error raised if it failed). A gloo
+    collective can be waited for again after such a wait runs out."""
+    try:
+        return work.wait(timeout=datetime.timedelta(seconds=seconds)) is not False
+    except Exception:
+        if work.is_completed():
+            raise  # the collective failed: its error, not this look's running out
+        return False
 
 
 def _members(plan, sync) -> tuple[int, ...]:

@@ -79,7 +79,8 @@ def report_errors(error_dir: str | Path | None):
         if error_dir is not None:
             rank = env_ranks()[0]
             record = {"rank": rank, "time": time.time(), "type": type(err).__name__, "error": str(err),
-                      "user_error": _is_user_error(err), "traceback": traceback.format_exc()}
+                      "user_error": _is_user_error(err), "status": getattr(err, "status", None),
+                      "traceback": traceback.format_exc()}
             path = Path(error_dir) / f"{ERROR_PREFIX}{rank}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(record))
@@ -143,16 +144,17 @@ def train(job: dict, log=None) -> dict | None:
 
     rank, world, device, pg_backend = init_process_group(float(cfg.backend.timeout_s))
     leader_log = _LeaderLog(rank, log, job.get("metrics"))
-    heartbeat = None
+    heartbeat = alarm = None
     from ftbench.distributed.launch import heartbeats
 
     if heartbeats(cfg):  # the survivors of a failure tell the dead by their silent beat
-        from ftbench.distributed.membership import Heartbeat, log_to_stderr
+        from ftbench.distributed.membership import Alarm, Heartbeat, job_store, log_to_stderr
 
         log_to_stderr(rank)  # its membership decisions, kept per node under dist/logs
         heartbeat = Heartbeat(rank, float(cfg.backend.timeout_s)).start()
+        alarm = Alarm(job_store(float(cfg.backend.timeout_s)), rank)  # the main thread's: its waits look at it
     try:
-        result = _train(cfg, ctx, job, leader_log, rank, world, device, pg_backend, threads, heartbeat)
+        result = _train(cfg, ctx, job, leader_log, rank, world, device, pg_backend, threads, heartbeat, alarm)
         if result is not None and heartbeat is not None:
             # The leader hands its results to whoever hosts the store (the launcher, or the
             # coordinator of a torchrun job): it may not be rank 0, nor on node 0.
@@ -161,7 +163,7 @@ def train(job: dict, log=None) -> dict | None:
             heartbeat.store.set(RESULT_KEY, pickle.dumps(result))
     except BaseException as err:
         if heartbeat is not None and not _signalled(err):  # an error, not a failure: the others stop too
-            _post_abort(heartbeat, rank, err)
+            _post_abort(heartbeat, alarm, rank, err)
         raise
     finally:
         # A failed rank leaves at once: its peers' waits end at their deadlines (or the
@@ -182,7 +184,9 @@ def _signalled(err: BaseException) -> bool:
     return isinstance(err, (SignalException, KeyboardInterrupt, SystemExit))
 
 
-def _post_abort(heartbeat, rank: int, err: BaseException) -> None:
+def _post_abort(heartbeat, alarm, rank: int, err: BaseException) -> None:
+    """Say why this rank stops, and raise the alarm: the others' waits on it end now, not at
+    their deadlines, and they find it stopped rather than failed."""
     from ftbench.distributed.membership import log, post_abort
     from ftbench.distributed.transport import describe_error
 
@@ -190,6 +194,7 @@ def _post_abort(heartbeat, rank: int, err: BaseException) -> None:
     log.info("stops the job: %s", why)
     try:
         post_abort(heartbeat.store, rank, why)
+        alarm.post(f"rank {rank} stops the job: {why}")
     except Exception:  # noqa: BLE001 - the store is gone: the job is over anyway
         pass
 
@@ -224,7 +229,7 @@ def _ignore(record: dict) -> None:
     return None
 
 
-def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbeat=None) -> dict | None:
+def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbeat=None, alarm=None) -> dict | None:
     import torch
 
     from ftbench.actions import FILE, SNAPSHOT
@@ -254,6 +259,8 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     transport = DistTransport(rank, world, float(cfg.backend.timeout_s), device, dtype,
                               (ctx.microbatch_size, ctx.seq_len, ctx.spec.hidden), ordered=pg_backend == "nccl")
     log.leader = lambda: transport.leader
+    if alarm is not None:
+        transport.watch(alarm)  # every wait also ends on the alarm, or a silent heartbeat
     store = None
     if getattr(strategy, "checkpoint_mode", None) in (FILE, SNAPSHOT):
         # The leader writes; after a failure every rank reads its state back from the same folder.
