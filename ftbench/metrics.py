@@ -314,6 +314,7 @@ def _wandb_settings(wandb: Any) -> Any:
         # Record what the run prints (files/output.log and the run file's output records):
         # "wrap" tees sys.stdout and sys.stderr, without the pseudo-terminal "redirect" needs.
         "console": "wrap",
+        "silent": True,  # W&B's own banner and run summary stay out of the run's output (the summary is ours)
         "x_disable_stats": True,  # no system-metrics sampling thread
         "x_disable_meta": True,
         "x_disable_machine_info": True,
