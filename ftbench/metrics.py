@@ -615,7 +615,9 @@ class WandbSink:
                                   metadata=_artifact_metadata(summary))
         # immutable: no copy in W&B's staging area (the home folder); an offline run copies the
         # files into its own folder (keep_artifacts_in_run_folder), an online one uploads them
-        artifact.add_dir(str(folder), policy="immutable")
+        for path in sorted(Path(folder).rglob("*")):  # file by file: add_dir prints a line of its own
+            if path.is_file():
+                artifact.add_file(str(path), name=path.relative_to(folder).as_posix(), policy="immutable")
         self.run.log_artifact(artifact, aliases=["latest", "final"])
 
     def _log_summary_file(self, wandb: Any, summary: dict) -> None:
