@@ -4,6 +4,7 @@ waits on, while a peer that is alive but slow is still waited for up to the dead
 Three processes under the elastic launcher, each with its heartbeat and the job's alarm
 (ftbench.distributed.membership.Alarm), and a deadline of 60 s on every wait, so that giving
 up in seconds cannot be mistaken for reaching the deadline."""
+import faulthandler
 import time
 
 import pytest
@@ -27,6 +28,8 @@ def _watched_transport():
     from ftbench.distributed.worker import env_ranks
 
     torch.set_num_threads(1)
+    # the `unstable` hang: a rank stuck this long dumps its threads' stacks into its log
+    faulthandler.dump_traceback_later(TIMEOUT_S / 2, exit=False)
     rank, world, _, _ = env_ranks()
     Heartbeat(rank, TIMEOUT_S).start()
     transport = DistTransport(rank, world, TIMEOUT_S, torch.device("cpu"), torch.float32, (1,))
