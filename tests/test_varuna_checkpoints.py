@@ -131,22 +131,29 @@ def test_local_writes_the_post_change_checkpoint_and_matches_fault_free(tmp_path
     assert _restored(sim) == [0, 1] and sim["checkpoints"] == s["checkpoints"] == 4
 
 
-def test_closed_form_counts_the_post_change_checkpoint_as_one_iteration_at_a_time_does():
-    """sim advances many iterations at once: its saves, their times and the ledger must be
-    those of checking `due` after every iteration (local's way)."""
+def _random_jumps(seed: str, mode: str, after_change: bool):
+    """2,000 seeded cases of a jump: (rng, iterations, every, it, n, jump, step), `jump` and
+    `step` two schedulers of one run, to advance in one go and one iteration at a time."""
     import random
 
     from ftbench.loop import Checkpoints
 
     class Rule:
-        checkpoint_mode, checkpoint_after_change = "file", True
+        checkpoint_mode, checkpoint_after_change = mode, after_change
 
-    rng = random.Random("varuna-closed-form")
+    rng = random.Random(seed)
     for _ in range(2000):
         iterations, every = rng.randint(2, 60), rng.randint(1, 12)
         it = rng.randrange(iterations)
         n = rng.randint(1, iterations - it)
         jump, step = (Checkpoints(Rule(), None, iterations, lambda _: None, True) for _ in range(2))
+        yield rng, iterations, every, it, n, jump, step
+
+
+def test_closed_form_counts_the_post_change_checkpoint_as_one_iteration_at_a_time_does():
+    """sim advances many iterations at once: its saves, their times and the ledger must be
+    those of checking `due` after every iteration (local's way)."""
+    for _, iterations, every, it, n, jump, step in _random_jumps("varuna-closed-form", "file", True):
         for c in (jump, step):
             c.every, c.T, c.stall = every, 1.0, 0.25
             c.recovered(it)  # a recovery resumed at `it`: the post-change one is due after it + 1
@@ -168,20 +175,8 @@ def test_closed_form_snapshots_wait_for_the_previous_persist_as_one_save_at_a_ti
     """CheckFreq persists one snapshot at a time: a snapshot due while the previous persist
     runs waits for it. sim's jumps must charge exactly the waits of saving one at a time, also
     when the run starts with a persist still running from before."""
-    import random
-
-    from ftbench.loop import Checkpoints
-
-    class Rule:
-        checkpoint_mode, checkpoint_after_change = "snapshot", False
-
-    rng = random.Random("checkfreq-persist-wait")
-    for _ in range(2000):
-        iterations, every = rng.randint(2, 60), rng.randint(1, 12)
-        it = rng.randrange(iterations)
-        n = rng.randint(1, iterations - it)
+    for rng, iterations, every, it, n, jump, step in _random_jumps("checkfreq-persist-wait", "snapshot", False):
         persist, before = rng.choice([0.0, 0.5, 3.0, 20.0]), rng.uniform(0, 30)
-        jump, step = (Checkpoints(Rule(), None, iterations, lambda _: None, True) for _ in range(2))
         for c in (jump, step):
             c.every, c.T, c.stall, c.persist = every, 1.0, 0.25, persist
             c.ledger.add(it, before)  # the persist of the checkpoint at `it` ends at `before`
