@@ -80,4 +80,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ftbench.distributed.worker import exit_now
+
+    exit_now(main())  # not through torch's teardown: see exit_now

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
     params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=nodes,
                                   max_nodes=nodes, local_addr="127.0.0.1", is_host=False,
                                   join_timeout=int(max(timeout, 1)), last_call_timeout=1)
-    spec = WorkerSpec(role="ftbench", local_world_size=gpus, entrypoint=worker.entry, args=(job,),
+    spec = WorkerSpec(role="ftbench", local_world_size=gpus, entrypoint=worker.rank_main, args=(worker.entry, job),
                       rdzv_handler=registry.get_rendezvous_handler(params), max_restarts=0,
                       monitor_interval=0.05, local_addr="127.0.0.1")
     logs = DefaultLogsSpecs(log_dir=str(folder / "logs" / f"node{node}"), redirects=Std.ALL)

@@ -506,7 +506,9 @@ def launch(entrypoint, args: tuple, processes: int, timeout: float, deadline: fl
         timer.daemon = True
         timer.start()
     try:
-        return elastic_launch(config, entrypoint)(*args)
+        from ftbench.distributed.worker import rank_main
+
+        return elastic_launch(config, rank_main)(entrypoint, *args)
     except BaseException as err:
         if timer is not None:
             timer.cancel()

@@ -16,9 +16,12 @@ loops disagree stop with an error instead of exchanging the wrong tensors.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
+import logging
 import os
+import sys
 import time
 import traceback
 from contextlib import contextmanager
@@ -123,6 +126,42 @@ def preload() -> None:
     import ftbench.distributed.engine  # noqa: F401
     import ftbench.run  # noqa: F401
     import ftbench.strategies  # noqa: F401
+
+
+_status: int | None = None  # this process's exit status, once rank_main runs in it
+
+
+def rank_main(entrypoint, *args):
+    """What the launchers run in each rank process: `entrypoint(*args)`; at exit the process
+    ends through `exit_now`, with 0, or 1 if it raised."""
+    global _status
+    if _status is None:
+        atexit.register(lambda: exit_now(_status))
+    _status = 1
+    result = entrypoint(*args)
+    _status = 0
+    return result
+
+
+def exit_now(status: int):
+    """End this rank's process with `status`, its files flushed, without tearing down
+    torch.distributed. A gloo group abandoned after a failure may still be connecting or
+    closing in a daemon thread (ftbench.distributed.transport), and unloading the library
+    under it aborts the process ("terminate called without an active exception", SIGABRT), so
+    the launcher would count a survivor that finished its work as failed. Forked ranks end this
+    way already (multiprocessing ends them with os._exit); spawned and torchrun ranks now do too."""
+    if "wandb" in sys.modules:  # its service process is stopped at exit, which os._exit skips
+        try:
+            sys.modules["wandb"].teardown()
+        except Exception:  # noqa: BLE001 - nothing to stop
+            pass
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed
+            pass
+    os._exit(status)
 
 
 def entry(job: dict) -> dict | None:
