@@ -220,3 +220,29 @@ def test_a_rank_ends_at_once_with_its_status_and_its_output(tmp_path, fail):
         assert done.returncode == 1 and "rank breaks (a test)" in done.stderr
     else:
         assert done.returncode == 0 and "returned 7" in done.stdout, done.stderr
+
+
+class _Beats:
+    """A store whose rank 0 beats at every look and whose rank 1 is silent."""
+
+    def __init__(self):
+        self.count = 0
+
+    def add(self, key, amount):
+        if key == "hb/0":
+            self.count += 1
+            return self.count
+        return 42
+
+
+def test_detection_goes_on_from_the_silence_a_failed_wait_watched():
+    """detect() counts the silence the wait's Liveness already saw (issue 29: a death while
+    every survivor builds a group with the dead rank is noticed by silence, not a closed
+    connection), and only for the beat it saw: a beat that has moved since starts over."""
+    from ftbench.distributed.membership import SETTLE_S, STALE_S, detect
+
+    started = time.perf_counter()
+    dead, took = detect(_Beats(), [0, 1], 30.0, observed={1: (42, started - STALE_S)})
+    assert dead == {1} and took < SETTLE_S + 0.5, took  # not the STALE_S of watching again
+    dead, took = detect(_Beats(), [0, 1], 30.0, observed={1: (41, started - STALE_S)})
+    assert dead == {1} and took >= STALE_S + SETTLE_S, took

@@ -744,8 +744,10 @@ class DistBackend:
         t.abandon(f"rank {t.rank} in {where}: {describe_error(err)}")  # the others stop waiting too
         try:
             # Everyone's waits end within seconds (the alarm), so every survivor looks for the
-            # dead at about the same time; nobody dead: the wait's own error stands.
-            dead, _ = detect(self.store, t.alive, t.timeout_s)
+            # dead at about the same time; nobody dead: the wait's own error stands. The
+            # silence the failed wait already watched counts.
+            seen = t.liveness.observed() if t.liveness is not None else None
+            dead, _ = detect(self.store, t.alive, t.timeout_s, observed=seen)
         except MembershipError:
             raise err from None
         detected = time.time()

@@ -203,15 +203,27 @@ class Liveness:
                 out.append(r)
         return out
 
+    def observed(self) -> dict[int, tuple[int, float]]:
+        """{rank: (its beat, when this process first saw it)} from recent looks (none after a
+        long pause), for `detect` to go on from instead of watching the silence again."""
+        if self._looked is None or time.perf_counter() - self._looked > self.stale_s / 2:
+            return {}
+        return dict(self._seen)
 
-def detect(store, members: list[int], deadline_s: float, stale_s: float = STALE_S) -> tuple[set[int], float]:
+
+def detect(store, members: list[int], deadline_s: float, stale_s: float = STALE_S,
+           observed: dict[int, tuple[int, float]] | None = None) -> tuple[set[int], float]:
     """(the members that died, seconds it took to know): a member whose beat has not moved
     for `stale_s` is dead. A failure is expected, so this waits until some member is dead and
     then until the dead set has held still for SETTLE_S (the other processes of a failed node
-    die at about the same time)."""
+    die at about the same time). `observed` (Liveness.observed): beats already seen unmoved
+    since then, by the wait that failed: their silence counts from then."""
     started = time.perf_counter()
     beat = beats(store, members)
     moved = {r: started for r in members}
+    for r, (seen_beat, since) in (observed or {}).items():
+        if r in moved and seen_beat == beat[r]:
+            moved[r] = min(since, started)
     dead: set[int] = set()
     settled = None  # when the dead set last changed
     while True:
