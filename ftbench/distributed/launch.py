@@ -477,6 +477,7 @@ def launch(entrypoint, args: tuple, processes: int, timeout: float, deadline: fl
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from ftbench.distributed.transport import DistError
+    from ftbench.distributed.worker import rank_main
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -506,8 +507,6 @@ def launch(entrypoint, args: tuple, processes: int, timeout: float, deadline: fl
         timer.daemon = True
         timer.start()
     try:
-        from ftbench.distributed.worker import rank_main
-
         return elastic_launch(config, rank_main)(entrypoint, *args)
     except BaseException as err:
         if timer is not None:
