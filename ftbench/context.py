@@ -6,6 +6,7 @@ failure is a ConfigError naming the setting and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -42,6 +43,8 @@ class RunContext:
     node_mtbf_hours: float | None = None  # failures.mtbf_hours (Poisson failures), for checkpoint-interval rules
     recompute: str = "none"  # train.recompute: none | full (activation recomputation; costs and the local engine)
     overlap_grad_reduce: bool = False  # train.overlap_grad_reduce: the cost model's all-reduce overlap (simulated timings)
+    run_dir: Path | None = None  # the run folder: every path setting resolves inside it (ftbench.folders)
+    shared_dir: Path | None = None  # where a sweep's jobs share caches (the sweep folder; None: run_dir)
 
     @classmethod
     def from_config(cls, cfg) -> "RunContext":

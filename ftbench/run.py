@@ -20,6 +20,7 @@ from ftbench.cluster import Cluster
 from ftbench.context import RunContext
 from ftbench.errors import ConfigError, UserError
 from ftbench.failures import build_failure_script
+from ftbench.folders import inside
 from ftbench.metrics import MetricsWriter, WandbSink, clean_stale_summaries, ettr, write_summary
 from ftbench.report import format_summary, plot_gantt, plot_gantt_panels
 from ftbench.actions import FILE, SNAPSHOT
@@ -98,7 +99,7 @@ def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, met
             metrics.log(record)
             sink.log(record)
 
-        summary.update(_run(cfg, run_dir, log))
+        summary.update(_run(cfg, run_dir, log, cache_dir))
     except UserError as err:
         config_error = isinstance(err, ConfigError)
         summary.update(status=err.status, error=str(err))
@@ -173,8 +174,9 @@ def simulate(cfg, run_dir: Path) -> dict:
         return {"status": err.status, "error": str(err), "throughput": 0.0}
 
 
-def _run(cfg, run_dir: Path, log) -> dict:
+def _run(cfg, run_dir: Path, log, shared_dir: Path | None = None) -> dict:
     ctx = RunContext.from_config(cfg)
+    ctx.run_dir, ctx.shared_dir = Path(run_dir), shared_dir  # path settings resolve inside them
     cluster, script = _cluster_and_script(cfg, ctx)
     job_mtbf = cfg.failures.get("job_mtbf_hours")
     if ctx.node_mtbf_hours is None and job_mtbf and cfg.failures.kind == "poisson":
@@ -344,7 +346,7 @@ def local_engine(cfg, ctx, strategy, run_dir: Path | None, log=None) -> LocalEng
     boundary_log = None
     if run_dir is not None and getattr(strategy, "log_dir", None):  # Swift's boundary log, in the run folder
         from ftbench.engine.boundary_log import BoundaryLog
-        boundary_log = BoundaryLog(Path(run_dir) / strategy.log_dir)
+        boundary_log = BoundaryLog(inside(run_dir, "strategy.log_dir", strategy.log_dir))
     return LocalEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, store, cfg.backend.dtype, boundary_log)
 
 

@@ -46,6 +46,7 @@ import dataclasses
 from ftbench.actions import FILE, Rendezvous, SyncFromPeers
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
+from ftbench.folders import inside, relative_setting
 from ftbench.failures import FailureEvent
 from ftbench.placement import grid_nodes
 from ftbench.plan import Plan, grid_replicas
@@ -77,6 +78,8 @@ class ReCycle(CheckpointRestart):
         if cfg.fault_free not in FAULT_FREE:
             raise ConfigError("strategy.fault_free", f"unknown fault-free plan '{cfg.fault_free}'",
                               f"choose one of {', '.join(FAULT_FREE)}")
+        if cfg.plan_cache is not None:
+            relative_setting("strategy.plan_cache", cfg.plan_cache)  # a folder inside the run (or sweep) folder
         if cfg.plan_ahead < 0:
             raise ConfigError("strategy.plan_ahead", f"must not be negative, got {cfg.plan_ahead}",
                               "give the number of failed nodes to plan for ahead (0: plan at the failure)")
@@ -93,12 +96,20 @@ class ReCycle(CheckpointRestart):
     def _needs_mtbf(self) -> bool:
         return self.fallback == "checkpoint"
 
+    def _plan_cache(self):
+        """The plan cache's folder: inside the sweep's folder (its jobs share plans) or the run's;
+        None (memory only) when unset or when the run has no folder (a planner's what-if)."""
+        root = self.ctx.shared_dir or self.ctx.run_dir
+        if self.cfg.plan_cache is None or root is None:
+            return None
+        return inside(root, "strategy.plan_cache", self.cfg.plan_cache)
+
     # -- plans --------------------------------------------------------------------------
     def plan(self, cluster: Cluster) -> Plan:
         self.cluster = cluster
         base = problem_for(self.ctx, cluster.pp, cluster.dp, cluster.gpus_per_node,
                            decoupled=self.level != "reroute", placement=cluster.placement)
-        self.library = PlanLibrary(base, self.planner, self.cfg.milp_time_limit_s, self.cfg.plan_cache)
+        self.library = PlanLibrary(base, self.planner, self.cfg.milp_time_limit_s, self._plan_cache())
         forms = forms_up_to(self.cfg.plan_ahead, cluster.pp, cluster.dp, cluster.gpus_per_node, cluster.placement)
         if self.cfg.fault_free == "schedule":
             forms = forms[1:]  # the fault-free grid runs the configured schedule

@@ -29,6 +29,7 @@ from ftbench.actions import FILE, Rendezvous, ReplayLogs, SyncFromPeers, Transfe
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
+from ftbench.folders import relative_setting
 from ftbench.plan import Plan
 from ftbench.planning.swift import SelectiveLogging
 from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM, _replica_bytes
@@ -48,7 +49,7 @@ class Swift(CheckpointRestart):
         if self.every is None:
             raise ConfigError("strategy.every", "swift replays from its own periodic checkpoints and needs a fixed "
                               "interval", "set strategy.every to a number of iterations (Swift's evaluation: 100)")
-        self.log_dir = str(cfg.log_dir)
+        self.log_dir = str(relative_setting("strategy.log_dir", cfg.log_dir))  # inside the run folder
         self.parallel = cfg.parallel_recovery
         if not isinstance(self.parallel, int) or self.parallel < 1:
             raise ConfigError("strategy.parallel_recovery", f"must be a whole number of at least 1, got {self.parallel}",

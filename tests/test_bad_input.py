@@ -140,10 +140,11 @@ RECYCLE = (*SIM, "strategy=recycle", "cluster.dp=3", "failures=scripted", "failu
 
 
 def test_unwritable_plan_cache_warns_once_and_goes_on(tmp_path):
-    blocker = tmp_path / "not-a-folder"
+    blocker = tmp_path / "run" / "not-a-folder"  # inside the run folder, where the cache must be
+    blocker.parent.mkdir()
     blocker.write_text("a file where the cache folder's parent should be")
     with pytest.warns(PlanCacheWarning) as caught:
-        s = run(tmp_path / "run", *RECYCLE, f"strategy.plan_cache={blocker / 'cache'}")
+        s = run(tmp_path / "run", *RECYCLE, "strategy.plan_cache=not-a-folder/cache")
     assert s["status"] == "ok", s["error"]
     assert len([w for w in caught if issubclass(w.category, PlanCacheWarning)]) == 1
     assert "memory only" in str(caught[0].message)

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 
 from ftbench.errors import ConfigError
+from ftbench.folders import inside
 
 IN_JOB_ENV = "FTBENCH_DIST_IN_JOB"  # set by `python -m ftbench.distributed`: this process is a rank of a torchrun job
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the elastic launcher installs handlers for these
@@ -228,6 +229,8 @@ def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str
     """The dist backend's part of ftbench.run._run: the job's results for the summary."""
     check_config(cfg, strategy, clock)
     job = job_of(cfg, run_dir)
+    if getattr(strategy, "log_dir", None):  # Swift: checked here, before any rank starts; removed at the end only if new
+        job["log_dir_new"] = not inside(run_dir, "strategy.log_dir", strategy.log_dir).exists()
     if os.environ.get(IN_JOB_ENV):  # rank 0 of a torchrun job (python -m ftbench.distributed): train here
         from ftbench.distributed.worker import train
 

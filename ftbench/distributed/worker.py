@@ -178,6 +178,7 @@ def train(job: dict, log=None) -> dict | None:
 
     cfg = job["cfg"]
     ctx = RunContext.from_config(cfg)
+    ctx.run_dir = Path(job["run_dir"])  # path settings resolve inside it (ftbench.folders)
     threads = setup_threads(cfg.backend.get("threads"), ctx.spec)  # before any torch work
     import torch.distributed as dist
 
@@ -307,8 +308,9 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     boundary_log = None
     if getattr(strategy, "log_dir", None):  # Swift: each rank logs its own sends into the one shared folder
         from ftbench.engine.boundary_log import BoundaryLog
+        from ftbench.folders import inside
 
-        boundary_log = BoundaryLog(run_dir / strategy.log_dir)
+        boundary_log = BoundaryLog(inside(run_dir, "strategy.log_dir", strategy.log_dir), job.get("log_dir_new"))
     recover = heartbeat is not None and cfg.backend.get("unannounced", "recover") == "recover"
     engine = DistEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, dtype, transport, device, store,
                         recompute=cfg.train.get("recompute") or "none", undo=recover,

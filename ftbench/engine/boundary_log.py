@@ -6,7 +6,9 @@ forward and stage s + 1's input gradients going back, on the sender's side, so t
 survives the receiver's failure. `LoggingTransport` wraps a transport and hands every such
 send to a `BoundaryLog`, which buffers an iteration in host memory and, once the iteration
 completes, writes one file per sender (`worker{src}/iteration{i:08d}.pt`) in a background
-thread (Swift's logging is asynchronous). An iteration a failure abandons is never written.
+thread (Swift's logging is asynchronous), each with its iteration, sender and sha256
+(ftbench.engine.log_file), verified before a replay reads it. An iteration a failure
+abandons is never written.
 A checkpoint of iteration c covers everything before it: `drop_before(c)` deletes those
 files, so the log on storage stays bounded by one checkpoint interval.
 
@@ -16,7 +18,6 @@ it sends to one is dropped (that worker has it already).
 """
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +25,9 @@ from pathlib import Path
 
 import torch
 
+from ftbench.engine import log_file
 from ftbench.engine.transport import Key, TransportError
+from ftbench.errors import ReplayUnavailable
 
 
 def logged_key(key: Key, logged) -> bool:
@@ -38,8 +41,11 @@ class BoundaryLog:
     `folder` (strategy.log_dir). `bytes_now` is what the files hold now, `peak_bytes` its most
     over the run; `buffered(worker)` what a sender holds in memory for the iteration in flight."""
 
-    def __init__(self, folder: Path | str):
+    def __init__(self, folder: Path | str, created: bool | None = None):
         self.folder = Path(folder)
+        # Only a folder this run made is removed at its end (`created`: whether the run found
+        # none; None: decide now, as a single process can).
+        self.created = not self.folder.exists() if created is None else created
         self.folder.mkdir(parents=True, exist_ok=True)
         self._open: dict[tuple[int, int], dict] = {}  # (iteration, src) -> {key: tensor}
         self._sizes: dict[tuple[int, int], int] = {}  # (iteration, src) -> bytes of its file
@@ -66,21 +72,19 @@ class BoundaryLog:
 
     def seal(self, iteration: int) -> None:
         """The iteration completed: its buffers are written, one file per sender, in the background."""
+        if self._cache is not None and self._cache[0][0] == iteration:
+            self._cache = None  # a redone iteration (after a restart) replaces its files
         for key in [k for k in self._open if k[0] == iteration]:
             messages = self._open.pop(key)
             self._pending.append(self._pool.submit(self._write, key, messages))
 
     def _write(self, key: tuple[int, int], messages: dict) -> None:
         iteration, src = key
-        path = self.path(src, iteration)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(messages, tmp)
-        os.replace(tmp, path)  # a reader never sees half a file
-        size = path.stat().st_size
+        size = log_file.write(self.path(src, iteration), iteration, src, messages)  # with its sha256
         with self._lock:
+            # an iteration redone after a restart replaces its file
+            self.bytes_now += size - self._sizes.get(key, 0)
             self._sizes[key] = size
-            self.bytes_now += size
             self.peak_bytes = max(self.peak_bytes, self.bytes_now)
             self.files_written += 1
 
@@ -106,15 +110,24 @@ class BoundaryLog:
             self._cache = None
 
     # -- reading ------------------------------------------------------------------------
+    def check(self, sources, since: int, until: int) -> list[str]:
+        """What is wrong with the files of `sources` for iterations since..until-1 (a replay's
+        reads), each as 'path: reason'; [] when every one verifies (ftbench.engine.log_file)."""
+        self.wait()
+        problems = []
+        for iteration in range(since, until):
+            for src in sources:
+                try:
+                    log_file.verified_payload(self.path(src, iteration), iteration, src)
+                except log_file.LogInvalid as bad:
+                    problems.append(str(bad))
+        return problems
+
     def read(self, src: int, iteration: int, key: Key) -> torch.Tensor:
-        """What `src` sent under `key` in `iteration`, from its file."""
+        """What `src` sent under `key` in `iteration`, from its file, verified first (LogInvalid)."""
         self.wait()
         if self._cache is None or self._cache[0] != (iteration, src):
-            path = self.path(src, iteration)
-            if not path.exists():
-                raise TransportError(f"no log of worker {src} for iteration {iteration} ({path}): the replay "
-                                     "needs every iteration since the checkpoint it starts from")
-            self._cache = ((iteration, src), torch.load(path, weights_only=True))
+            self._cache = ((iteration, src), log_file.load(self.path(src, iteration), iteration, src))
         messages = self._cache[1]
         if key not in messages:
             raise TransportError(f"the log of worker {src} for iteration {iteration} holds no {key}: "
@@ -124,8 +137,26 @@ class BoundaryLog:
     def close(self, remove: bool = False) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
-        if remove:
+        if remove and self.created:  # never a folder the run found (it may hold what is not the run's)
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def unusable_replay(since: int, held: int, until: int, problems: list[str]) -> ReplayUnavailable | None:
+    """Why a replay of since..until-1 cannot run as planned, or None: `held` is the newest
+    checkpoint at or before `since` that verifies, `problems` what is wrong with the log files
+    a replay from `held` reads. From an older `held` whose logs all verify the replay can
+    still run (ReplayUnavailable.start); damaged logs after `since` rule out any replay."""
+    if held == since and not problems:
+        return None
+    reasons = [] if held == since else [f"the checkpoint of iteration {since} does not verify (the newest that "
+                                        f"does holds iteration {held})"]
+    if problems:
+        more = f" and {len(problems) - 2} more" if len(problems) > 2 else ""
+        reasons.append(f"{len(problems)} boundary log file(s) of iterations {held}..{until - 1} do not verify: "
+                       + "; ".join(problems[:2]) + more)
+    start = held if held < since and not problems else None
+    return ReplayUnavailable(f"the replay of iterations {since}..{until - 1} cannot run: " + ", and ".join(reasons),
+                             start)
 
 
 class LoggingTransport:
