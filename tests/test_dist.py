@@ -261,12 +261,67 @@ def _stuck(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def test_the_launcher_stops_a_job_past_its_deadline(tmp_path):
+def test_the_launcher_stops_a_job_past_its_deadline(tmp_path, monkeypatch):
+    """The deadline needs no signal to reach this thread (issue 36: interrupt_main's signal,
+    raised inside logging's lock release, was swallowed and the job read as a success)."""
+    import _thread
+
     from ftbench.distributed.launch import launch
     from ftbench.distributed.transport import DistError
 
+    monkeypatch.setattr(_thread, "interrupt_main", lambda *args: None)  # a lost signal changes nothing
     started = time.monotonic()
     with pytest.raises(DistError, match="past its deadline of 2 s"):
         launch(_stuck, (60.0,), 2, 5.0, 2.0, tmp_path, start_method="fork")
     assert time.monotonic() - started < 20
     assert leftover_descendants() == []
+
+
+STUCK_JOB = """
+import sys, time
+from pathlib import Path
+from ftbench.distributed.launch import launch
+from ftbench.distributed.transport import DistError
+
+def stuck(seconds):
+    time.sleep(seconds)
+
+try:
+    launch(stuck, (60.0,), 2, 5.0, 2.0, Path(sys.argv[1]), start_method="fork")
+except DistError as err:
+    print(err)
+    sys.exit(3)
+sys.exit(0)
+"""
+
+
+def test_a_launcher_stopped_past_its_deadline_still_fails_the_job(tmp_path):
+    """The launcher's process is frozen (SIGSTOP) for 4 s across its 2 s deadline, as an
+    overloaded machine would hold it: once it runs again the job ends as a failure, its ranks
+    stopped, never as a success."""
+    import signal
+
+    launcher = subprocess.Popen([sys.executable, "-c", STUCK_JOB, str(tmp_path)], cwd=ROOT, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        pids = tmp_path / "pids"
+        wait = time.monotonic() + 60
+        while len(list(pids.glob("rank*"))) < 2 and launcher.poll() is None and time.monotonic() < wait:
+            time.sleep(0.05)
+        ranks = [int(p.read_text()) for p in pids.glob("rank*")]
+        assert len(ranks) == 2, launcher.communicate(timeout=30)[0]
+        launcher.send_signal(signal.SIGSTOP)
+        time.sleep(4.0)
+        resumed = time.monotonic()
+        launcher.send_signal(signal.SIGCONT)
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGCONT)
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 3 and "past its deadline of 2 s" in out, out
+    assert time.monotonic() - resumed < 20
+    for pid in ranks:  # no rank left running (nor a zombie: the launcher reaped them)
+        assert not Path(f"/proc/{pid}").exists(), pid

@@ -29,6 +29,7 @@ from ftbench.folders import inside
 
 IN_JOB_ENV = "FTBENCH_DIST_IN_JOB"  # set by `python -m ftbench.distributed`: this process is a rank of a torchrun job
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the elastic launcher installs handlers for these
+STOPPED = ("SignalException", "KeyboardInterrupt", "SystemExit")  # a rank stopped from outside: no bug of its own
 
 
 def timeout_s(cfg) -> float:
@@ -460,7 +461,7 @@ def _result(store, folder: Path, started: float, where: str) -> dict:
         return pickle.loads(prefixed.get(RESULT_KEY))
     root = first_error(folder)
     if root is not None:
-        raise DistError(f"rank {root['rank']} failed: {root['error']} ({where})", root.get("status"))
+        raise _rank_error(root, folder, where)
     raise DistError(f"the dist job ended without results after {time.monotonic() - started:.1f} s ({where})")
 
 
@@ -496,41 +497,114 @@ def launch(entrypoint, args: tuple, processes: int, timeout: float, deadline: fl
         shutdown_timeout=5)
     main = threading.current_thread() is threading.main_thread()
     saved = {name: signal.getsignal(getattr(signal, name)) for name in HANDLED_SIGNALS} if main else {}
-    expired = threading.Event()
-
-    def expire() -> None:
-        expired.set()
-        import _thread
-
-        _thread.interrupt_main()  # the launcher's handler stops every process, then raises here
-
-    timer = threading.Timer(deadline, expire) if main else None
+    pids = folder / "pids"  # each rank's process id, written as it starts (noting_pid)
+    if pids.exists():
+        for stale in pids.iterdir():
+            stale.unlink()
+    watchdog = _Deadline(deadline, pids)
     started = time.monotonic()
-    if timer is not None:
-        timer.daemon = True
-        timer.start()
+    watchdog.start()
     try:
-        return elastic_launch(config, rank_main)(entrypoint, *args)
+        results = elastic_launch(config, rank_main)(noting_pid, str(pids), entrypoint, *args)
     except BaseException as err:
-        if timer is not None:
-            timer.cancel()
-        if expired.is_set():
+        if watchdog.finish():
             raise DistError(f"the dist job ran past its deadline of {deadline:g} s (backend.deadline_s) and was "
                             f"stopped; rank logs in {folder / 'logs'}") from None
         root = first_error(folder)
         if root is not None:
-            raise DistError(f"rank {root['rank']} failed: {root['error']} (rank logs in {folder / 'logs'})",
-                            root.get("status")) from None
+            raise _rank_error(root, folder, f"rank logs in {folder / 'logs'}") from None
         if isinstance(err, Exception):
             raise DistError(f"the dist job failed after {time.monotonic() - started:.1f} s: "
                             f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__} "
                             f"(rank logs in {folder / 'logs'})") from None
         raise
     finally:
-        if timer is not None:
-            timer.cancel()
+        watchdog.finish()
         for name, handler in saved.items():
             signal.signal(getattr(signal, name), handler)
+    if watchdog.expired:  # the ranks were stopped as they returned: the job still ran past its deadline
+        raise DistError(f"the dist job ran past its deadline of {deadline:g} s (backend.deadline_s) and was "
+                        f"stopped; rank logs in {folder / 'logs'}")
+    return results
+
+
+def noting_pid(pids: str, entrypoint, *args):
+    """A rank of `launch`: note this process's id in `pids` (for the deadline), then run."""
+    rank = os.environ.get("RANK", "0")
+    Path(pids).mkdir(parents=True, exist_ok=True)
+    (Path(pids) / f"rank{rank}").write_text(str(os.getpid()))
+    return entrypoint(*args)
+
+
+class _Deadline:
+    """`launch`'s deadline, kept by a thread of its own that sends no signal to the caller:
+    past `deadline` seconds it marks the job expired and SIGKILLs every rank process that
+    noted its id in `pids` (again each second, for a rank that starts late), until the caller's
+    `finish`. The elastic agent then finds its processes dead and returns a failure, whatever
+    the caller's thread was doing (issue 36: an interrupt_main signal raised inside logging's
+    lock release was swallowed, and a job past its deadline read as a success)."""
+
+    def __init__(self, deadline: float, pids: Path):
+        self.deadline, self.pids = deadline, pids
+        self.expired = False
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftbench-dist-deadline", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self._done.wait(self.deadline):
+            return
+        with self._lock:
+            if self._done.is_set():
+                return
+            self.expired = True
+        while True:
+            for path in self.pids.glob("rank*") if self.pids.exists() else ():
+                try:
+                    pid = int(path.read_text())
+                except (OSError, ValueError):
+                    continue  # being written
+                if _child_of_this_process(pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            if self._done.wait(1.0):
+                return
+
+    def finish(self) -> bool:
+        """The caller is done with the job: stop watching. Whether the deadline expired."""
+        with self._lock:
+            self._done.set()
+        return self.expired
+
+
+def _child_of_this_process(pid: int) -> bool:
+    """Whether `pid` is a live child of this process (a rank), not a process that reused the id."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return not Path("/proc/self").exists()  # no /proc to ask: trust the note
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0] != "Z" and int(fields[1]) == os.getpid()
+
+
+def _rank_error(root: dict, folder: Path, where: str) -> Exception:
+    """The job's root-cause error (`first_error`) as the launcher raises it: what the user can
+    act on (a setting, a peer that did not answer, a result such as `unrecoverable`) as
+    DistError, with the rank's status; any other exception of a rank is a bug, RankFailed (not
+    a user error: the run's status is `error` and the command exits 1, not a bad setting's 2)."""
+    from ftbench.distributed.transport import DistError, RankFailed
+
+    rank = root["rank"]
+    message = f"rank {rank} failed: {root['error']} ({where})"
+    if root.get("user_error") is False and root.get("type") not in STOPPED:
+        return RankFailed(f"rank {rank} failed with {root.get('type')}: {root['error']} (a bug, not a setting: its "
+                          f"traceback in {Path(folder) / f'error-rank{rank}.json'}; {where})")
+    return DistError(message, root.get("status"))
 
 
 def first_error(folder: Path) -> dict | None:

@@ -64,6 +64,11 @@ class DistError(UserError):
     """A distributed run that cannot go on: a peer that does not answer, a job past its deadline."""
 
 
+class RankFailed(RuntimeError):
+    """A rank of a dist job raised an exception that is no user error (a bug): not a DistError,
+    so the run ends with status `error` from an exception and the command exits 1."""
+
+
 class WaitFailed(DistError):
     """A wait that ended without its answer: names the waiting worker, the peer and the op, and
     why (the subclasses), which the rank's log repeats when it looks for the dead."""
