@@ -32,3 +32,14 @@ class ResultError(UserError):
 
     def __init__(self, status: str, message: str):
         super().__init__(message, status)
+
+
+class ReplayUnavailable(ResultError):
+    """Swift's replay cannot start as planned: its checkpoint or a log file it needs does not
+    verify (nothing was used). `start`: an older checkpoint whose replay does verify, else
+    None. The run loop falls back (a replay from `start`, else a restart of the job from the
+    newest checkpoint that verifies); a backend that cannot leaves the run unrecoverable."""
+
+    def __init__(self, message: str, start: int | None = None):
+        super().__init__("unrecoverable", message)
+        self.start = start

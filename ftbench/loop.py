@@ -25,9 +25,10 @@ from itertools import chain, compress, islice, repeat
 from operator import countOf, eq
 from typing import Protocol
 
-from ftbench.actions import Rendezvous, RestartJob, SaveCheckpoint, WaitForReplacement
+from ftbench.actions import (FILE, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint,
+                             WaitForReplacement)
 from ftbench.cluster import Cluster
-from ftbench.errors import TooFewNodes, UserError
+from ftbench.errors import ReplayUnavailable, TooFewNodes, UserError
 from ftbench.events import EventQueue
 from ftbench.failures import ITERATION_EVENT_FRACTION, FailureEvent, FailureScript
 from ftbench.outcome import RunOutcome
@@ -627,8 +628,9 @@ class RunLoop:
             return
         started, t_event = time.perf_counter(), self.now()
         interrupted = None
+        fallback = None
         try:
-            restored = self.backend.perform(actions, old, new, it)
+            restored, actions, fallback = self._perform(actions, old, new, it)
         except FailuresDiscovered as found:  # dist: nodes died during the recovery
             restored, interrupted = found.restored, found
         except UserError as err:
@@ -661,12 +663,38 @@ class RunLoop:
                                 for c in islice(chain.from_iterable(moved), COPIES_LISTED)]
             record["copies_total"] = total
             record["copied_bytes"] = math.fsum(chain.from_iterable(map(copy_sizes, moved)))
+        if fallback is not None:  # what did not verify, and what was done instead
+            record["fallback"] = fallback
         if interrupted is not None:  # completed without them; they fail next
             record["interrupted_by_nodes"] = interrupted.nodes
         out.recoveries.append(record)
         self.log({"event": "recovery", **record})
         if interrupted is not None:
             self._discovered(interrupted)
+
+    def _perform(self, actions: list, old: Plan, new: Plan, it: int) -> tuple[int | None, list, str | None]:
+        """backend.perform, falling back when Swift's replay cannot run as planned
+        (ReplayUnavailable: its checkpoint or a log file it reads does not verify, and nothing
+        was used): first a replay from the older checkpoint the backend found usable with its
+        logs, else a restart of the job from the newest checkpoint that verifies. Returns the
+        iteration restored, every action performed, and why it fell back (None: it did not)."""
+        todo, done, reasons = list(actions), [], []
+        while True:
+            try:
+                restored = self.backend.perform(todo, old, new, it)
+                return restored, done + todo, "; ".join(reasons) or None
+            except ReplayUnavailable as err:
+                replay = next((a for a in todo if isinstance(a, ReplayLogs)), None)
+                if replay is None:
+                    raise
+                done += todo[:todo.index(replay) + 1]
+                old = new  # what ran before the replay already moved to `new`
+                if err.start is not None and err.start < replay.since:
+                    reasons.append(f"{err}; replaying from the checkpoint of iteration {err.start} instead")
+                    todo = [ReplayLogs(replay.workers, err.start, replay.until, replay.helpers)]
+                else:
+                    reasons.append(f"{err}; restarting the job from the newest checkpoint that verifies")
+                    todo = [RestartJob(), RestoreCheckpoint(FILE)]
 
     def _wait_for_nodes(self, reason: str):
         """Too few nodes to go on (`Recovery.wait`): training stops and, where the failure

@@ -15,10 +15,11 @@ import torch
 
 from ftbench.actions import (FILE, MEMORY, SNAPSHOT)
 from ftbench.checkpoint import CheckpointStore
-from ftbench.engine.boundary_log import BoundaryLog, LoggingTransport, ReplayTransport
+from ftbench.engine.boundary_log import BoundaryLog, LoggingTransport, ReplayTransport, unusable_replay
+from ftbench.engine.log_file import LogInvalid, replay_sources
 from ftbench.engine.executor import Executor, IterationResult
 from ftbench.engine.worker import StageReplica, Worker
-from ftbench.errors import ResultError
+from ftbench.errors import ReplayUnavailable, ResultError
 from ftbench.layers import fragment_layout, model_layers, stage_units
 from ftbench.plan import checkpoint_writers
 from ftbench.models.data import batch
@@ -149,16 +150,23 @@ class LocalEngine:
         """Swift's logging-based recovery, done for real: `workers` load their replicas from
         the checkpoint of iteration `since` and replay iterations since..until-1 on the logged
         boundary tensors (ftbench.engine.boundary_log), the others waiting; with `chunks` > 1
-        each iteration's micro-batches are split among helpers (Executor.replay)."""
+        each iteration's micro-batches are split among helpers (Executor.replay). The
+        checkpoint and every log file the replay reads are verified first: ReplayUnavailable
+        when any is not usable, before any state changed."""
         workers = sorted(workers)
         replicas = [r for w in workers for r in self.workers[w].replicas.values()]
         expected = {n: tuple(p.shape) for w in self.plan.holds for r in self.workers[w].replicas.values()
                     for n, p in r.named_parameters().items()}  # the whole model's, as the store checks
         loaded = self.store.load(at_most=since, expected=expected) if self.store is not None else None
         held = 0 if loaded is None else loaded[0]
-        if held != since:
-            raise ResultError("unrecoverable", f"the replay starts from the checkpoint of iteration {since}, but the "
-                              f"newest usable checkpoint holds iteration {held}")
+        sources = replay_sources(self.plan, workers, workers)
+        if self.boundary_log is not None:
+            problems = self.boundary_log.check(sources, held, until)
+        else:
+            problems = ["no boundary log is kept (strategy.log_dir)"] if sources else []
+        unusable = unusable_replay(since, held, until, problems)
+        if unusable is not None:
+            raise unusable
         if loaded is None:  # iteration 0: the initial weights, re-created from the seed
             for w in workers:
                 for layers in list(self.workers[w].replicas):
@@ -166,11 +174,14 @@ class LocalEngine:
                     self.workers[w].replicas[layers] = self._new_replica(self.plan, pipeline, stage)
         else:
             load_shards(replicas, list(loaded[1].values()))
-        for iteration in range(since, until):
-            transport = ReplayTransport(self.executor.transport, self.boundary_log, workers, iteration)
-            self.executor.replay(self.plan, self.tokens(iteration), self.normaliser, workers, transport, chunks)
-            self._track_memory()
-            self._commit_steps()
+        try:
+            for iteration in range(since, until):
+                transport = ReplayTransport(self.executor.transport, self.boundary_log, workers, iteration)
+                self.executor.replay(self.plan, self.tokens(iteration), self.normaliser, workers, transport, chunks)
+                self._track_memory()
+                self._commit_steps()
+        except LogInvalid as bad:  # changed on storage since it was checked: the replayed state is no good
+            raise ReplayUnavailable(f"a boundary log stopped verifying during the replay: {bad}") from None
 
     def _replicas(self):
         """Every live replica."""
