@@ -31,7 +31,7 @@ from ftbench.config import register_configs
 from ftbench.paths import CONF_DIR
 from ftbench.run import AVAILABLE_BACKENDS, execute
 
-EXIT_CODES = {"ok": 0, "error": 2, "oom": 3, "unrecoverable": 3, "diverged": 4, "died": 5}
+EXIT_CODES = {"ok": 0, "error": 2, "oom": 3, "unrecoverable": 3, "diverged": 4, "died": 5, "interrupted": 130}
 DISTRIBUTION = "ftbench"
 
 

@@ -106,8 +106,20 @@ def _new_folder(stem: Path) -> Path:
     raise OSError(f"no free folder name beside {stem}")
 
 
+def _given_run_dir(overrides: list[str]) -> Path | None:
+    """The run folder a rejected command line names (`hydra.run.dir=...`, the last one wins),
+    read as text: Hydra could not compose it, and the folder is still the user's choice."""
+    given = None
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and key.lstrip("+~") == "hydra.run.dir" and value.strip("'\""):
+            given = Path(value.strip("'\""))
+    return given
+
+
 def explain_composition_error(err: BaseException, overrides: list[str], conf_dir: Path) -> int:
-    """Print the paragraph, write `runs/<date>/<time>-config-error/summary.json`, return the exit code."""
+    """Print the paragraph, write summary.json into the run folder (`hydra.run.dir` when the
+    command line gives one, else `runs/<date>/<time>-config-error`), return the exit code."""
     text = _messages(err)
     setting = _setting(text, overrides)
     problem = text.strip().splitlines()[0].rstrip(".") if text.strip() else type(err).__name__
@@ -116,8 +128,10 @@ def explain_composition_error(err: BaseException, overrides: list[str], conf_dir
            f"into several {expanded}=[...] arguments" if expanded else _fix(setting, text, conf_dir))
     error = ConfigError(setting, problem, fix)
     stem = Path("runs") / time.strftime("%Y-%m-%d") / f"{time.strftime('%H-%M-%S')}-config-error"
+    given = _given_run_dir(overrides)
     try:
-        run_dir = _new_folder(stem)
+        run_dir = _new_folder(stem) if given is None else given
+        run_dir.mkdir(parents=True, exist_ok=True)
         summary = {"status": "error", "error": str(error), "overrides": overrides}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         where = f"\nRun folder: {run_dir}"

@@ -23,7 +23,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "iterations", "samples", "time_s", "throughput", "ettr", "productive_s", "failures", "recoveries",
     "peak_memory_bytes", "status", "error",
 )
-STATUSES = ("ok", "oom", "unrecoverable", "diverged", "error", "died")  # diverged: differs from fault-free training; died: dist, backend.unannounced=stop
+STATUSES = ("ok", "oom", "unrecoverable", "diverged", "error", "died", "interrupted")  # diverged: differs from fault-free training; died: dist, backend.unannounced=stop; interrupted: Ctrl-C or SIGTERM
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

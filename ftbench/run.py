@@ -112,10 +112,12 @@ def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, met
             summary.update(_totals(outcome, outcome.global_batch), global_batch=outcome.global_batch)
             if outcome.losses:
                 summary["losses"] = outcome.losses
-        summary.update(status="error", error=what if interrupted else f"{type(err).__name__}: {err}")
+        summary.update(getattr(err, "results", None) or {})  # a whole run's results (dist), stopped in its check
+        summary.update(status="interrupted" if interrupted else "error",
+                       error=what if interrupted else f"{type(err).__name__}: {err}")
         if not interrupted:
             (run_dir / "error.txt").write_text(traceback.format_exc())
-        metrics.log({"event": "error", "status": "error", "error": summary["error"],
+        metrics.log({"event": "error", "status": summary["status"], "error": summary["error"],
                      "iterations": summary["iterations"]})
         _finish(run_dir, summary, started, sink)
         err.run_dir = str(run_dir)  # for the CLI's one-line report

@@ -170,7 +170,7 @@ def test_sigterm_is_handled_like_ctrl_c_and_keeps_what_was_done(tmp_path):
     assert proc.returncode == 143 and "Traceback" not in err, err
     assert f"ftbench: terminated (SIGTERM); {tmp_path}/run keeps what was done" in err
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"] == "error" and "SIGTERM" in summary["error"]
+    assert summary["status"] == "interrupted" and "SIGTERM" in summary["error"]
     assert summary["iterations"] >= 3 and summary["samples"] == summary["iterations"] * summary["global_batch"]
     assert all(isinstance(x, float) for x in summary["losses"][:3])
     assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "error"
@@ -191,8 +191,30 @@ def test_ctrl_c_during_the_fault_free_check_keeps_the_runs_summary(tmp_path, mon
     with pytest.raises(KeyboardInterrupt):
         run_module.execute(cfg, tmp_path, echo=lambda *_: None)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "error" and summary["error"] == "interrupted"
+    assert summary["status"] == "interrupted" and summary["error"] == "interrupted"
     assert summary["iterations"] == 10 and summary["failures"] == 1
+
+
+@pytest.mark.dist
+def test_ctrl_c_during_a_dist_runs_fault_free_check_keeps_the_runs_summary(tmp_path, monkeypatch):
+    """The same on dist, whose results come from the ranks, not from a run loop here."""
+    import ftbench.distributed.launch as launch
+    import ftbench.run as run_module
+    from conftest import compose
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "_check_fault_free", interrupted)
+    cfg = compose("report.progress=false", "backend=dist", "model=gpt-tiny", "cluster.pp=2", "cluster.dp=1",
+                  "train.iterations=3", "train.microbatches=2", "report.gantt=false", "report.check_fault_free=true",
+                  "strategy=checkpoint", "strategy.every=2", "cluster.spares=1", "failures=scripted",
+                  "failures.events=[{iteration:1,node:1}]")
+    with pytest.raises(KeyboardInterrupt):
+        run_module.execute(cfg, tmp_path, echo=lambda *_: None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["error"] == "interrupted"
+    assert summary["iterations"] == 3 and summary["failures"] == 1 and len(summary["recoveries"]) == 1
 
 
 def test_a_time_capped_run_shows_progress_in_hours(monkeypatch):

@@ -81,3 +81,15 @@ def test_the_cli_exits_2_naming_the_setting(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "strategy.log_dir" in out.stdout + out.stderr and "Traceback" not in out.stdout + out.stderr
     assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
+
+
+def test_a_setting_hydra_rejects_is_recorded_in_the_given_run_folder(tmp_path):
+    """A command line Hydra cannot compose still writes its summary into hydra.run.dir, not
+    into ./runs of the current folder."""
+    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+    out = subprocess.run([sys.executable, "-m", "ftbench", "model=no-such-model", f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "`model`" in out.stderr and f"Run folder: {tmp_path / 'run'}" in out.stderr
+    assert '"status": "error"' in (tmp_path / "run" / "summary.json").read_text()
+    assert not (tmp_path / "runs").exists()

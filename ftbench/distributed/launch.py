@@ -257,7 +257,11 @@ def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str
         result["final_state"] = str(save_pretrained(torch.load(path), ctx.spec, Path(run_dir) / "final_model"))
         path.unlink()
     if result.get("status") == "ok" and cfg.report.check_fault_free and strategy.name != "none":
-        _check_fault_free(cfg, ctx, result, log)
+        try:
+            _check_fault_free(cfg, ctx, result, log)
+        except BaseException as err:  # Ctrl-C during the check: the summary keeps the run's results
+            err.results = {k: v for k, v in result.items() if k not in ("status", "error")}
+            raise
     log({"event": "end", "status": result.get("status"), "iterations": result.get("iterations"),
          "time_s": result.get("time_s")})
     return result
