@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import socket
-import tempfile
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -117,21 +117,60 @@ def write_summary(run_dir: Path | str, summary: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / SUMMARY_FILE
     clean_stale_summaries(folder)
+    text = _dumps(summary, indent=2, allow_nan=False) + "\n"
     # The temporary file sits in the same folder so os.replace is a rename, not a copy. Its name
     # says who writes it, so that a later writer can tell one left by a killed process.
-    fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".summary.{_writer()}.", suffix=".tmp")
+    tmp_name = str(folder / f".summary.{_writer()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as tmp:
-            os.fchmod(tmp.fileno(), 0o644)  # mkstemp makes it 0600; the summary is for everyone to read
-            tmp.write(_dumps(summary, indent=2, allow_nan=False) + "\n")
-            tmp.flush()
-            os.fsync(tmp.fileno())
+        _write_then_name(folder, text, tmp_name)
         os.replace(tmp_name, target)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
     fsync_dir(folder)
     return target
+
+
+def _write_then_name(folder: Path, text: str, name: str) -> None:
+    """Write `text` to a new file called `name`, fsynced. Where the file system allows it
+    (Linux O_TMPFILE) the file has no name until it is whole, so a SIGKILL while it is written
+    leaves nothing behind; only the instant between naming and the rename remains."""
+    try:
+        fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o644)
+    except (AttributeError, OSError):  # no O_TMPFILE here: a named file from the start
+        fd = None
+    if fd is not None:
+        with os.fdopen(fd, "w", encoding="utf-8") as tmp:
+            _fill(tmp, text)
+            if _name_unnamed(tmp.fileno(), name):
+                return
+    with open(name, "x", encoding="utf-8") as tmp:
+        _fill(tmp, text)
+
+
+def _fill(tmp, text: str) -> None:
+    os.fchmod(tmp.fileno(), 0o644)  # the summary is for everyone to read, whatever the umask
+    tmp.write(text)
+    tmp.flush()
+    os.fsync(tmp.fileno())
+
+
+def _name_unnamed(fd: int, name: str) -> bool:
+    """Give the O_TMPFILE file `fd` its name: linkat(AT_EMPTY_PATH), else through /proc; False
+    where neither is allowed (then the caller writes a named file)."""
+    import ctypes
+
+    at_empty_path, at_fdcwd = 0x1000, -100  # <fcntl.h>
+    try:
+        if ctypes.CDLL(None, use_errno=True).linkat(fd, b"", at_fdcwd, os.fsencode(name), at_empty_path) == 0:
+            return True
+    except (OSError, AttributeError):
+        pass
+    try:
+        os.link(f"/proc/self/fd/{fd}", name, follow_symlinks=True)
+        return True
+    except OSError:
+        return False
 
 
 def _writer() -> str:

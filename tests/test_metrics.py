@@ -37,7 +37,7 @@ def wandb_cfg(mode: str, group: str | None = None):
 
 def test_summary_keys_cover_the_contract():
     assert set(SUMMARY_KEYS) >= {"strategy", "recoveries", "peak_memory_bytes", "status", "error"}
-    assert STATUSES == ("ok", "oom", "unrecoverable", "diverged", "error", "died")
+    assert STATUSES == ("ok", "oom", "unrecoverable", "diverged", "error", "died", "interrupted")
 
 
 def test_each_line_is_readable_before_close(tmp_path):
@@ -658,3 +658,31 @@ def test_a_summary_left_by_a_killed_writer_is_cleaned_by_the_next_one(tmp_path):
     assert not os.path.exists(left)
     assert live.exists() and elsewhere.exists()
     assert (folder / "summary.json").exists()
+
+
+def test_a_sigkill_while_the_summary_is_written_leaves_no_file_behind(tmp_path):
+    """The summary is written unnamed (O_TMPFILE) and named only when whole: a process killed
+    while writing it (here, stopped in its fsync) leaves neither a half summary nor a
+    temporary file in the run folder."""
+    import signal
+    import subprocess
+    import sys
+
+    script = f"""
+import os, sys, time
+from ftbench import metrics
+def stuck(fd):
+    print("writing", flush=True)
+    time.sleep(60)
+metrics.os.fsync = stuck
+metrics.write_summary({str(tmp_path)!r}, {full_summary()!r})
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
