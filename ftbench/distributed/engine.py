@@ -343,6 +343,17 @@ class DistEngine:
         t = self.transport
         self.adopt(plan)  # always: a standby may have taken over a worker of this very plan (DistBackend._place)
         workers = frozenset(workers)
+        gone = {w: t.rank_of(w) for w in sorted(workers) if t.rank_of(w) not in t.alive}
+        if gone and len(gone) == len(workers):
+            # The processes that were to replay (a standby's) died in this very recovery: as a
+            # restore without them, the replay completes without them, and the run loop asks the
+            # strategy to recover their node next, on the next live standby (DistBackend._place).
+            log.info("the replay of workers %s is skipped: their ranks %s died in this recovery", sorted(workers),
+                     sorted(set(gone.values())))
+            return
+        if gone:
+            raise DistError(f"the replay by workers {sorted(workers)} cannot run: the ranks of workers {sorted(gone)} "
+                            f"({sorted(set(gone.values()))}) died while the others live")
         replaying = self.worker is not None and self.worker.alive and self.worker.id in workers
         if replaying and self.boundary_log is None:
             raise DistError(f"rank {self.rank}: worker {self.worker.id} replays from the boundary log, but the "
@@ -737,7 +748,7 @@ class DistBackend:
         """A wait failed in `where`: find who died (else `err` stands), stop the rest of their
         nodes, agree among the survivors, call `before_regroup`, and continue in a new process
         group without them. (the dead nodes, the measured phases)."""
-        from ftbench.distributed.membership import Fenced, MembershipError, aborted, agree, detect
+        from ftbench.distributed.membership import QUIET_S, Fenced, MembershipError, aborted, agree, detect
 
         t = self.engine.transport
         log.info("a wait failed in %s: %s", where, describe_error(err))
@@ -747,7 +758,7 @@ class DistBackend:
             # dead at about the same time; nobody dead: the wait's own error stands. The
             # silence the failed wait already watched counts.
             seen = t.liveness.observed() if t.liveness is not None else None
-            dead, _ = detect(self.store, t.alive, t.timeout_s, observed=seen)
+            dead, _ = detect(self.store, t.alive, t.timeout_s, observed=seen, quiet_s=QUIET_S)
         except MembershipError:
             raise err from None
         detected = time.time()

@@ -175,6 +175,7 @@ class Alarm:
 
 
 WATCH_STALE_S = 3 * STALE_S  # a watched wait gives up on a peer silent this long (no false alarm on a stall)
+QUIET_S = 2 * STALE_S + SETTLE_S  # after a failed wait: a death before it shows by then, else none happened
 
 
 class Liveness:
@@ -212,12 +213,16 @@ class Liveness:
 
 
 def detect(store, members: list[int], deadline_s: float, stale_s: float = STALE_S,
-           observed: dict[int, tuple[int, float]] | None = None) -> tuple[set[int], float]:
+           observed: dict[int, tuple[int, float]] | None = None,
+           quiet_s: float | None = None) -> tuple[set[int], float]:
     """(the members that died, seconds it took to know): a member whose beat has not moved
     for `stale_s` is dead. A failure is expected, so this waits until some member is dead and
     then until the dead set has held still for SETTLE_S (the other processes of a failed node
     die at about the same time). `observed` (Liveness.observed): beats already seen unmoved
-    since then, by the wait that failed: their silence counts from then."""
+    since then, by the wait that failed: their silence counts from then. `quiet_s`: after a
+    wait that already failed (a death precedes it), give up once every member has kept beating
+    this long, instead of waiting out `deadline_s` (issue 36: a gloo timeout with nobody dead
+    took a whole backend.timeout_s more to stop)."""
     started = time.perf_counter()
     beat = beats(store, members)
     moved = {r: started for r in members}
@@ -240,6 +245,8 @@ def detect(store, members: list[int], deadline_s: float, stale_s: float = STALE_
                      [round(now - moved[r], 2) for r in sorted(dead)],
                      [round(now - moved[r], 2) for r in members if r not in dead])
             return dead, now - started
+        if not dead and quiet_s is not None and now - started > quiet_s:
+            raise MembershipError(f"every process kept beating for {quiet_s:g} s after the failed wait: none died")
         if now - started > deadline_s:
             raise MembershipError(f"no process stopped beating within {deadline_s:g} s after the failure point"
                                   if not dead else f"the set of dead ranks kept changing for {deadline_s:g} s")

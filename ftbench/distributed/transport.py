@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 import zlib
 
 import torch
@@ -57,6 +58,7 @@ from ftbench.schedule import B, BW, F, OPT, RSYNC, Op
 
 KIND_CODE = {ACT: 0, GRAD: 1}
 WATCH_EVERY_S = 0.25  # a watched wait looks at the alarm and the peers' heartbeats this often
+EARLY = 0.9  # a timeout gloo reports before this share of backend.timeout_s is its own, not our deadline
 MAX_DIMS = 4  # parameters have at most this many dimensions (GPT-2's have 1 or 2)
 
 
@@ -256,11 +258,12 @@ class DistTransport:
         ranks = tuple(sorted(ranks))
         prefix = f"pg/{self.epoch}/{name}/{'-'.join(map(str, ranks))}/"
         what = f"build the process group '{name}' of ranks {list(ranks)} (membership epoch {self.epoch})"
+        started = time.perf_counter()
         if self.alarm is None:
             try:
                 return Group(self.store, prefix, ranks, self.rank, self.timeout, self.device)
             except RuntimeError as err:  # a member that never joined: the store's wait, or gloo's connect, timed out
-                raise self._failure(err, f"rank {self.rank}", what) from None
+                raise self._failure(err, f"rank {self.rank}", what, time.perf_counter() - started) from None
         from ftbench.distributed.membership import job_store
 
         if self._builder is None:
@@ -282,7 +285,7 @@ class DistTransport:
             self._builder = None  # the abandoned creation keeps its client until gloo's own deadline
             raise
         if isinstance(built[0], BaseException):
-            raise self._failure(built[0], f"rank {self.rank}", what) from None
+            raise self._failure(built[0], f"rank {self.rank}", what, time.perf_counter() - started) from None
         return built[0]
 
     def regroup(self, alive: list[int]) -> None:
@@ -363,6 +366,7 @@ class DistTransport:
     # -- waits --------------------------------------------------------------------------
     def _wait(self, work, what: str, p2p: bool = False) -> None:
         me = f"worker {self.worker} (rank {self.rank})" if self.worker is not None else f"rank {self.rank}"
+        started = time.perf_counter()
         try:
             if self.alarm is None or p2p:
                 # A gloo send or receive cannot be waited for in slices (one that times out closes
@@ -376,15 +380,13 @@ class DistTransport:
         except WaitFailed:
             raise
         except Exception as err:  # noqa: BLE001 - gloo and NCCL raise different types
-            raise self._failure(err, me, what) from None
+            raise self._failure(err, me, what, time.perf_counter() - started) from None
 
     def _watch(self, done, me: str, what: str, peers: list[int]) -> None:
         """Wait until `done(seconds)` (which waits at most that long) says it is done; between
         two looks, give up when the deadline passed (DistTimeout), a rank posted the epoch's
         alarm (Told) or one of `peers` stopped beating (PeerSilent). The first look waits a
         whole period: a wait that completes in it costs nothing more."""
-        import time
-
         started = time.perf_counter()
         while not done(WATCH_EVERY_S):
             waited = time.perf_counter() - started
@@ -400,14 +402,20 @@ class DistTransport:
                 raise PeerSilent(f"{me} stopped waiting to {what} after {waited:.1f} s: ranks {silent} stopped "
                                  f"beating (silent for {self.liveness.stale_s:g} s)")
 
-    def _failure(self, err: BaseException, me: str, what: str) -> WaitFailed:
-        """gloo's (or NCCL's) error of a wait, as what happened: a closed connection or the deadline."""
+    def _failure(self, err: BaseException, me: str, what: str, waited: float | None = None) -> WaitFailed:
+        """gloo's (or NCCL's) error of a wait that lasted `waited` seconds (measured here), as what
+        happened: a closed connection, the deadline, or a timeout gloo reported before it (issue 36:
+        an "Operation timed out!" after under a second read as "waited more than 60 s")."""
         closed = _closed(err)
         if closed:
             return ConnectionLost(f"{me} could not {what}: the connection closed ({closed}): the peer died or left "
                                   "the membership epoch")
         if "timed out" in str(err).lower() or "timeout" in str(err).lower():
-            return DistTimeout(f"{me} waited more than {self.timeout_s:g} s (backend.timeout_s) to {what}: "
+            if waited is not None and waited < EARLY * self.timeout_s:
+                return DistTimeout(f"{me} could not {what}: gloo reported a timeout after {waited:.1f} s, before "
+                                   f"backend.timeout_s ({self.timeout_s:g} s) ({describe_error(err)})")
+            measured = f" (after {waited:.1f} s)" if waited is not None else ""
+            return DistTimeout(f"{me} waited more than {self.timeout_s:g} s (backend.timeout_s) to {what}{measured}: "
                                f"no answer ({describe_error(err)})")
         return WaitFailed(f"{me} could not {what}: {describe_error(err)}")
 
