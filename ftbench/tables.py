@@ -429,6 +429,30 @@ def write_report(sweep_dir: Path | str, wandb_cfg: Any = None) -> dict[str, Path
     return out
 
 
+WANDB_COLUMNS = [*CSV_COLUMNS[:CSV_COLUMNS.index("paper") + 1], "paper_status", *CSV_COLUMNS[CSV_COLUMNS.index("paper") + 1:]]
+
+
+def wandb_rows(spec: dict, records: list[dict]) -> tuple[list[str], list[list]]:
+    """The table's rows for a wandb.Table, whose columns each hold one type: `paper` holds the
+    published number (null where the paper has none), `paper_status` says "OOM" where the paper
+    reports one and "reported" beside a number, so that an OOM cell is a status, not text in a
+    number column (W&B refuses the mix)."""
+    rows = []
+    for r in sorted(records, key=_record_order(spec)):
+        paper = r.get("paper")
+        number = paper if isinstance(paper, (int, float)) and math.isfinite(paper) else None
+        cells = {**r, "paper": number,
+                 "paper_status": None if paper is None else ("reported" if number is not None else str(paper))}
+        rows.append([_wandb_value(cells.get(k)) for k in WANDB_COLUMNS])
+    return list(WANDB_COLUMNS), rows
+
+
+def _wandb_value(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v if v is None or isinstance(v, (int, float, str)) else str(v)
+
+
 def _to_wandb(sweep_dir: Path, spec: dict, records: list[dict], files: dict[str, Path], cfg: Any) -> None:
     from ftbench.metrics import log_sweep_table, start_sweep_run
 
@@ -439,10 +463,8 @@ def _to_wandb(sweep_dir: Path, spec: dict, records: list[dict], files: dict[str,
             return
         import wandb
 
-        rows = [[r.get(k) if not isinstance(r.get(k), float) or math.isfinite(r.get(k)) else None
-                 for k in CSV_COLUMNS] for r in sorted(records, key=_record_order(spec))]
-        payload = {"paper_table": wandb.Table(columns=CSV_COLUMNS, data=[[None if v is None else (v if isinstance(
-            v, (int, float)) else str(v)) for v in row] for row in rows])}
+        columns, rows = wandb_rows(spec, records)
+        payload = {"paper_table": wandb.Table(columns=columns, data=rows)}
         for name, path in files.items():
             if name.endswith(".png"):
                 payload[name[:-4]] = wandb.Image(str(path))

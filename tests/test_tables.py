@@ -157,3 +157,29 @@ def test_throughput_over_time_reads_the_last_attempt_of_a_cell(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in attempt * 2))
     _, rate, fails = throughput_series(tmp_path, bins=10)
     assert max(rate) == pytest.approx(10.0) and fails == [100.0 / 3600]
+
+
+def test_a_paper_table_with_oom_cells_is_logged_to_wandb(tmp_path, monkeypatch):
+    """W&B refuses a column mixing numbers and text: the paper's OOM cells are a status column
+    beside the published numbers, and the table reaches the sweep's offline W&B run."""
+    import warnings
+
+    from omegaconf import OmegaConf
+
+    from ftbench.tables import _to_wandb, wandb_rows
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    spec = {"name": "t", "rows": {"recycle": "ReCycle", "oobleck": "Oobleck"},
+            "columns": {"fault-free": {}, "6h": {"hours": 6}}, "models": {"m": {"label": "M"}},
+            "paper": {"m": {"ReCycle": {"6h": 10.0}, "Oobleck": {"6h": "OOM"}}}}
+    records = aggregate(spec, [_summary("m", "recycle", "6h", 0, 9.5), _summary("m", "oobleck", "6h", 0, 0.0, "oom")])
+    columns, rows = wandb_rows(spec, records)
+    by_system = {row[columns.index("system")]: dict(zip(columns, row)) for row in rows}
+    assert (by_system["Oobleck"]["paper"], by_system["Oobleck"]["paper_status"]) == (None, "OOM")
+    assert (by_system["ReCycle"]["paper"], by_system["ReCycle"]["paper_status"]) == (10.0, "reported")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # _to_wandb warns instead of raising when W&B refuses
+        _to_wandb(tmp_path, spec, records, {}, OmegaConf.create({"mode": "offline", "project": "ftbench-test"}))
+    (logged,) = tmp_path.glob("wandb/offline-run-*/files/media/table/paper_table_*.table.json")
+    table = json.loads(logged.read_text())
+    assert "OOM" in [row[table["columns"].index("paper_status")] for row in table["data"]]
