@@ -27,7 +27,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from ftbench.config import register_configs
+from ftbench.config import check_table_cell, register_configs
+from ftbench.errors import ConfigError
 from ftbench.paths import CONF_DIR
 from ftbench.run import AVAILABLE_BACKENDS, execute
 
@@ -193,7 +194,7 @@ def main() -> None:
         from ftbench.config_errors import explain_composition_error
 
         try:
-            compose(default_job_rule(overrides))
+            check_table_cell(compose(default_job_rule(overrides)))
         except Exception as err:  # noqa: BLE001 - Hydra raises several kinds for a bad command line
             sys.exit(explain_composition_error(err, overrides, CONF_DIR))
     sys.argv[1:] = [*flags, *default_job_rule(overrides)]
@@ -217,6 +218,11 @@ def _hydra_main(cfg) -> None:
     multirun = hc.mode == RunMode.MULTIRUN
     group = Path(hc.sweep.dir).name if multirun else None
     overrides = list(hc.overrides.task)
+    try:  # before anything reads the cell's settings: a missing cell fails inside OmegaConf
+        check_table_cell(cfg)
+    except ConfigError as err:
+        _refuse(err, Path(hc.runtime.output_dir), cfg, overrides, multirun)
+        return
     if multirun and cfg.report.skip_done and _done(Path(hc.runtime.output_dir), overrides):
         print(f"ftbench: {hc.runtime.output_dir} already holds this job's ok summary.json: skipped "
               "(report.skip_done)")
@@ -232,6 +238,20 @@ def _hydra_main(cfg) -> None:
         print(f"\n{message}\nRun folder: {hc.runtime.output_dir}", file=sys.stderr)
         if not multirun:
             sys.exit(EXIT_CODES.get(status, 1))
+
+
+def _refuse(err: ConfigError, run_dir: Path, cfg, overrides: list[str], multirun: bool) -> None:
+    """A setting error found before the run starts: its summary.json (a sweep's report counts
+    it), the paragraph, and exit 2 outside a sweep."""
+    from ftbench.metrics import SUMMARY_KEYS, write_summary
+
+    summary = {**dict.fromkeys(SUMMARY_KEYS), "strategy": str(cfg.strategy.name), "backend": str(cfg.backend.name),
+               "model": str(cfg.model.name), "iterations": 0, "failures": 0, "recoveries": [], "status": "error",
+               "error": str(err), "overrides": overrides}
+    write_summary(run_dir, summary)
+    print(textwrap.fill(f"ftbench: {err}", width=100) + f"\nRun folder: {run_dir}", file=sys.stderr)
+    if not multirun:
+        sys.exit(EXIT_CODES["error"])
 
 
 def _done(run_dir: Path, overrides: list[str]) -> bool:

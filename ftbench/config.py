@@ -315,3 +315,94 @@ def parse_duration(text: str, setting: str) -> float:
     if seconds <= 0:
         raise ConfigError(setting, f"'{text}' is not positive", "give a period above zero, e.g. 6h")
     return seconds
+
+
+# -- settings the schema accepts but this run would ignore --------------------------------
+
+# Fields of the checkpoint schema (CheckpointConfig) that only some of the strategies sharing
+# it read (docs/strategies/*.md): set to another value than the schema's default on another
+# strategy, they would do nothing.
+CHECKPOINT_FIELD_READERS = {
+    "overhead_bound": ("checkfreq",),
+    "start": ("varuna",),
+    "keep": ("checkpoint", "checkfreq", "varuna", "swift", "recycle"),  # elastic-horovod commits in memory
+    "mtbf_hours": ("checkpoint", "elastic-horovod", "varuna", "recycle"),  # Young/Daly; checkfreq tunes by overhead
+}
+# ReCycle checkpoints only with strategy.fallback=checkpoint; without it these do nothing.
+RECYCLE_FALLBACK_FIELDS = ("every", "mtbf_hours", "keep", "save_s")
+# backend.* settings that only backend=dist reads (backend.kill and backend.stall are refused
+# off dist by ftbench.distributed.launch.refuse_dist_settings, which also checks their form).
+DIST_ONLY = ("unannounced", "launcher", "deadline_s", "store_port")
+
+
+def check(cfg) -> None:
+    """Refuse settings that Hydra's schema accepts but that this run would silently ignore
+    (RunContext.from_config calls it, before anything runs)."""
+    check_table_cell(cfg)
+    _check_strategy_fields(cfg.strategy)
+    backend = str(cfg.backend.name)
+    if backend != "dist":
+        for key in DIST_ONLY:
+            default = getattr(BackendConfig, key)
+            if cfg.backend.get(key, default) != default:
+                raise ConfigError(f"backend.{key}", f"only backend=dist reads it, and backend={backend} would "
+                                  "ignore it", f"drop backend.{key}, or use backend=dist")
+
+
+def _set(strategy, key: str, schema) -> bool:
+    """Whether `strategy.key` holds another value than the schema's default."""
+    import dataclasses
+
+    if key not in strategy:
+        return False
+    default = next((f.default for f in dataclasses.fields(schema) if f.name == key), None)
+    return strategy.get(key) != default
+
+
+def _check_strategy_fields(strategy) -> None:
+    schema = OmegaConf.get_type(strategy)
+    if not (isinstance(schema, type) and issubclass(schema, CheckpointConfig)):
+        return  # the other schemas hold their own strategy's fields only
+    name = str(strategy.get("name"))
+    for key, readers in CHECKPOINT_FIELD_READERS.items():
+        if name not in readers and _set(strategy, key, schema):
+            owners = f"it is {readers[0]}'s" if len(readers) == 1 else f"only {', '.join(readers)} read it"
+            raise ConfigError(f"strategy.{key}", f"strategy '{name}' has no such setting; {owners}",
+                              f"drop strategy.{key}" + (f", or use strategy={readers[0]}" if len(readers) == 1 else ""))
+    if name == "recycle" and strategy.get("fallback") != "checkpoint":
+        for key in RECYCLE_FALLBACK_FIELDS:
+            if _set(strategy, key, schema):
+                raise ConfigError(f"strategy.{key}", "recycle writes checkpoints only with strategy.fallback="
+                                  "checkpoint, and ignores it otherwise",
+                                  f"add strategy.fallback=checkpoint, or drop strategy.{key}")
+
+
+def table_experiments() -> list[str]:
+    """The experiments (conf/experiment/*.yaml) that are paper tables: those that set table.name."""
+    import re
+
+    from ftbench.paths import CONF_DIR
+
+    return sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")
+                  if re.search(r"^table:\s*\n\s+name:", p.read_text(encoding="utf-8"), flags=re.MULTILINE))
+
+
+def check_table_cell(cfg) -> None:
+    """A paper table's cell is one the table has: its settings are looked up by table.column and
+    model (`${cell:...}`), which would otherwise fail deep inside OmegaConf, on first use. Outside
+    a table, table.column would be ignored. Reads no interpolated value."""
+    table = cfg.table
+    if not table.name:
+        if table.column is not None:
+            experiments = table_experiments()
+            raise ConfigError("table.column", f"'{table.column}' is set but this run is no paper table's cell "
+                              "(table.name is null), so nothing reads it",
+                              f"add the table's experiment, e.g. +experiment={experiments[0] if experiments else '...'} "
+                              f"(tables: {', '.join(experiments)}), or drop table.column")
+        return
+    for setting, section, value in (("table.column", "columns", table.column), ("model", "models", cfg.model.name)):
+        entries = table.get(section)
+        keys = [str(k) for k in entries.keys()] if entries else []
+        if keys and str(value) not in keys:
+            raise ConfigError(setting, f"'{value}' is not in table '{table.name}' ({section}: {', '.join(keys)})",
+                              f"choose one of {', '.join(keys)}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ftbench.config import BACKENDS, HardwareConfig
+from ftbench.config import BACKENDS, HardwareConfig, check as check_config
 from ftbench.costs import RECOMPUTE_MODES, CostModel
 from ftbench.errors import ConfigError
 from ftbench.failures import KINDS as FAILURE_KINDS
@@ -50,6 +50,7 @@ class RunContext:
     def from_config(cls, cfg) -> "RunContext":
         _check_keys(cfg)
         _check_choices(cfg)
+        check_config(cfg)  # settings this run would ignore
         m = cfg.model
         spec = resolve_model(m.name, layers=m.layers, hidden=m.hidden, heads=m.heads,
                              vocab=m.vocab, seq_len=m.seq_len)
