@@ -386,6 +386,8 @@ def format_summary(summary: dict) -> str:
     if s.get("matches_fault_free") is not None:  # local runs that ran the equivalence check
         verdict = "yes" if s["matches_fault_free"] else f"NO ({s.get('fault_free_difference')})"
         rows.append(("matches fault-free", verdict))
+    if s.get("run_dir"):  # where everything else is: the last line, found at a glance
+        rows.append(("run folder", str(s["run_dir"])))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
 
@@ -550,6 +552,9 @@ class SweepCheck(Callback):
 
             log_sweep_table(sweep_dir, OmegaConf.select(config, "wandb"))
         code = sweep_exit_code(statuses)
+        if not code:
+            counts = ", ".join(f"{n} {status}" for status, n in sorted(Counter(str(s) for s in statuses).items()))
+            print(f"ftbench: sweep done ({counts}). Sweep folder: {sweep_dir}")
         if code:
             counts = ", ".join(f"{n} {status}" for status, n in
                                sorted(Counter(str(s) for s in statuses).items())) or f"no {SUMMARY_FILE}"

@@ -25,6 +25,7 @@ def test_default_job_runs(tmp_path):
     out = ftbench(tmp_path)
     assert out.returncode == 0, out.stderr
     assert "status" in out.stdout and "ok" in out.stdout
+    assert out.stdout.rstrip().splitlines()[-1].split() == ["run", "folder", f"{tmp_path}/run"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok"
     assert (tmp_path / "run" / ".hydra" / "overrides.yaml").exists()
@@ -57,6 +58,7 @@ def test_multirun_sweep_gives_one_folder_per_job(tmp_path):
     assert out.returncode == 0, out.stderr
     summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
     assert len(summaries) == 2
+    assert f"ftbench: sweep done (2 ok). Sweep folder: {tmp_path}/sweep" in out.stdout
     runs = [json.loads(p.read_text()) for p in summaries]
     assert {r["schedule"] for r in runs} == {"1f1b", "zb-h1"} and all(r["status"] == "ok" for r in runs)
     zb = next(r for r in runs if r["schedule"] == "zb-h1")

@@ -390,3 +390,8 @@ def test_sweep_exit_code():
     assert sweep_exit_code(["oom", "error"]) == 3
     assert sweep_exit_code(["error", "error"]) == 2
     assert sweep_exit_code([]) == 3
+
+
+def test_format_summary_ends_with_the_run_folder():
+    text = format_summary({"status": "ok", "backend": "sim", "run_dir": "/somewhere/run"})
+    assert text.splitlines()[-1].split() == ["run", "folder", "/somewhere/run"]
