@@ -196,7 +196,8 @@ class WandbConfig:
 class ReportConfig:
     """What the run draws into its folder."""
     gantt: bool = True  # PNG Gantt chart of one simulated iteration
-    progress: bool = True  # progress bar on the console
+    progress: bool = True  # progress bar on the console (a terminal), else progress lines (progress_every_s)
+    progress_every_s: Optional[float] = 30.0  # console not a terminal (nohup, SLURM, CI): a progress line this often, s (null: none)
     check_fault_free: bool = True  # local: after a run, train again without failures and compare losses and weights
     skip_done: bool = False  # --multirun: a job whose folder already holds an "ok" summary.json of the same overrides is not run again
 
@@ -378,13 +379,13 @@ def _check_strategy_fields(strategy) -> None:
 
 
 def table_experiments() -> list[str]:
-    """The experiments (conf/experiment/*.yaml) that are paper tables: those that set table.name."""
+    """The experiments (conf/experiment/*.yaml) that are paper tables: a table with columns."""
     import re
 
     from ftbench.paths import CONF_DIR
 
     return sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")
-                  if re.search(r"^table:\s*\n\s+name:", p.read_text(encoding="utf-8"), flags=re.MULTILINE))
+                  if re.search(r"^table:[ \t]*\n(([ \t]+.*)?\n)*?[ \t]+columns:", p.read_text(encoding="utf-8"), flags=re.MULTILINE))
 
 
 def check_table_cell(cfg) -> None:
@@ -394,11 +395,11 @@ def check_table_cell(cfg) -> None:
     table = cfg.table
     if not table.name:
         if table.column is not None:
-            experiments = table_experiments()
+            experiments = table_experiments() or ["..."]
             raise ConfigError("table.column", f"'{table.column}' is set but this run is no paper table's cell "
                               "(table.name is null), so nothing reads it",
-                              f"add the table's experiment, e.g. +experiment={experiments[0] if experiments else '...'} "
-                              f"(tables: {', '.join(experiments)}), or drop table.column")
+                              f"add a table's experiment ({' or '.join(f'+experiment={e}' for e in experiments)}), "
+                              "or drop table.column")
         return
     for setting, section, value in (("table.column", "columns", table.column), ("model", "models", cfg.model.name)):
         entries = table.get(section)

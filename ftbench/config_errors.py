@@ -117,16 +117,99 @@ def _given_run_dir(overrides: list[str]) -> Path | None:
     return given
 
 
+def _own_error(err: BaseException) -> ConfigError | None:
+    """Our own ConfigError, raised as is or from a resolver (OmegaConf wraps what resolvers raise)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, ConfigError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _parsed(override: str):
+    """Hydra's reading of one override, or None where its grammar rejects it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(override)
+    except Exception:  # noqa: BLE001 - the grammar's errors come in several kinds
+        return None
+
+
+def _unparsable(overrides: list[str]) -> ConfigError | None:
+    """The override Hydra's grammar rejects, named by its key (the whole command line's parse
+    error names no override, so the first key that happened to appear in it was blamed)."""
+    for override in overrides:
+        if _parsed(override) is not None:
+            continue
+        key, _, value = override.partition("=")
+        key = key.lstrip("+~")
+        counts = [(o, c, value.count(o), value.count(c)) for o, c in (("[", "]"), ("{", "}"), ("(", ")"))]
+        unbalanced = [f"{n} '{o}' but {m} '{c}'" for o, c, n, m in counts if n != m]
+        problem = (f"its brackets do not balance ({', '.join(unbalanced)})" if unbalanced
+                   else f"'{value}' is not a value Hydra can read")
+        example = "[{iteration:3,node:1}]" if key == "failures.events" else "..."
+        return ConfigError(key, problem, f"close every bracket and brace, and put the whole override in single "
+                           f"quotes so that the shell passes it as it is: '{key}={example}'")
+    return None
+
+
+def _list_item(setting: str, text: str, overrides: list[str]) -> str:
+    """`failures.events[1].at` where OmegaConf names only `at`: a field of an item of a list
+    given on the command line. The item is the first with that field (and the rejected value)."""
+    target = re.search(r"Error merging override ([\w.]+)=|Could not override '([\w.]+)'", text)
+    if "." in setting or "[" in setting or target is None:
+        return setting
+    key = target.group(1) or target.group(2)
+    value = re.search(r"Value '([^']*)'", text)
+    for override in overrides:
+        parsed = _parsed(override) if override.partition("=")[0].lstrip("+~") == key else None
+        items = parsed.value() if parsed is not None else None
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            if isinstance(item, dict) and setting in item and (value is None or str(item[setting]) == value.group(1)):
+                return f"{key}[{i}].{setting}"
+    return setting
+
+
+def _item_keys(setting: str, text: str) -> str | None:
+    """For an unknown field of a list item: the fields its schema has (e.g. FailureEventConfig's)."""
+    import dataclasses
+
+    from ftbench import config
+
+    schema = re.search(r"not in '(\w+)'", text)
+    node = getattr(config, schema.group(1), None) if schema and "[" in setting else None
+    if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+        return None
+    fields = [f.name for f in dataclasses.fields(node)]
+    close = difflib.get_close_matches(setting.rsplit(".", 1)[-1], fields, n=1, cutoff=0.6)
+    return (f"did you mean {close[0]}? " if close else "") + f"an item has the keys {', '.join(fields)}"
+
+
+def _explained(err: BaseException, overrides: list[str], conf_dir: Path) -> ConfigError:
+    """Hydra's rejection as our ConfigError: the setting it names, its first line, our fix."""
+    text = _messages(err)
+    unparsable = _unparsable(overrides) if "override_grammar" in text or "no viable alternative" in text else None
+    if unparsable is not None:
+        return unparsable
+    setting = _list_item(_setting(text, overrides), text, overrides)
+    lines = text.strip().splitlines()
+    problem = lines[0].rstrip(".") if lines else type(err).__name__
+    if "[" in setting:  # the first line only repeats the override: say what is wrong with the item
+        problem = next((line.rstrip(".") for line in lines if re.match(r"(Value|Key) '", line)), problem)
+    expanded = _expanded_braces(overrides)
+    fix = (f"quote the override, e.g. '{expanded}=[{{iteration:3,node:5}}]': the shell expanded its braces "
+           f"into several {expanded}=[...] arguments" if expanded
+           else _item_keys(setting, text) or _fix(setting, text, conf_dir))
+    return ConfigError(setting, problem, fix)
+
+
 def explain_composition_error(err: BaseException, overrides: list[str], conf_dir: Path) -> int:
     """Print the paragraph, write summary.json into the run folder (`hydra.run.dir` when the
     command line gives one, else `runs/<date>/<time>-config-error`), return the exit code."""
-    text = _messages(err)
-    setting = _setting(text, overrides)
-    problem = text.strip().splitlines()[0].rstrip(".") if text.strip() else type(err).__name__
-    expanded = _expanded_braces(overrides)
-    fix = (f"quote the override, e.g. '{expanded}=[{{iteration:3,node:5}}]': the shell expanded its braces "
-           f"into several {expanded}=[...] arguments" if expanded else _fix(setting, text, conf_dir))
-    error = ConfigError(setting, problem, fix)
+    error = _own_error(err) or _explained(err, overrides, conf_dir)
     stem = Path("runs") / time.strftime("%Y-%m-%d") / f"{time.strftime('%H-%M-%S')}-config-error"
     given = _given_run_dir(overrides)
     try:

@@ -76,7 +76,7 @@ class Oobleck:
                               f"GPUs of {self.ctx.cost_model.hw.memory_gb:g} GB ({layout}, a layer per stage at most)",
                               "use GPUs with more memory (hardware=...), train.recompute=full, a smaller micro-batch, "
                               "strategy.stage_per=gpu (pools a node's memory), or a smaller model")
-        floor = self.cfg.get("min_nodes")
+        floor, model_n0 = self.cfg.get("min_nodes"), n0
         if floor is not None:
             if int(floor) < 1:
                 raise ConfigError("strategy.min_nodes", f"must be at least 1 node, got {floor}",
@@ -86,6 +86,11 @@ class Oobleck:
         nodes = cluster.nodes
         live = sorted(n for n in cluster.alive if n < nodes)
         if len(live) < (self.f + 1) * n0:  # (then also n_max = N - f*n0 < n0: no template range)
+            if n0 > model_n0:  # strategy.min_nodes set the depth, not the model
+                raise TooFewNodes("strategy.min_nodes", f"{len(live)} nodes cannot form f+1 = {self.f + 1} pipelines "
+                                  f"of at least strategy.min_nodes = {n0} nodes",
+                                  f"set strategy.min_nodes to at most {max(len(live) // (self.f + 1), model_n0)}, "
+                                  f"or use at least {(self.f + 1) * n0} nodes")
             raise TooFewNodes("strategy.f", f"{len(live)} nodes cannot form f+1 = {self.f + 1} pipelines of n0 = {n0} "
                               f"nodes ({self.ctx.spec.name} needs {n0} node(s) per pipeline)",
                               f"lower strategy.f, or use at least {(self.f + 1) * n0} nodes")

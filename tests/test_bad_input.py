@@ -345,3 +345,92 @@ def test_braces_the_shell_expanded_get_a_hint_to_quote(tmp_path, monkeypatch):
     explain_composition_error(caught.value, split, ROOT / "conf")
     (folder,) = (tmp_path / "runs").glob("*/*-config-error")
     assert "quote the override" in json.loads((folder / "summary.json").read_text())["error"]
+
+
+# -- issue 36: accepted and ignored, a traceback, or the wrong setting named ------------------
+
+def cli_error(tmp_path, monkeypatch, capsys, *args: str) -> str:
+    """`ftbench args...` in this process: its exit code must be 2; returns the error paragraph."""
+    from ftbench import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["ftbench", f"hydra.run.dir={tmp_path / 'run'}", *args])
+    with pytest.raises(SystemExit) as caught:
+        cli.main()
+    assert caught.value.code == 2
+    error = json.loads((tmp_path / "run" / "summary.json").read_text())["error"]
+    assert " ".join(error.split()) in " ".join(capsys.readouterr().err.split())
+    return error
+
+
+@pytest.mark.parametrize("args,setting,words", [
+    (("table.column=15m", "model=gpt3-6.7b"), "table.column", ["'15m'", "fault-free, 6h, 2h, 30m"]),
+    (("table.column=bogus",), "table.column", ["'bogus'", "choose one of fault-free, 6h, 2h, 30m"]),
+    (("model=gpt3-xl",), "model", ["'gpt3-xl'", "gpt3-medium, gpt3-3.35b, gpt3-6.7b"]),
+])
+def test_a_cell_the_table_does_not_have(tmp_path, monkeypatch, capsys, args, setting, words):
+    """Was an OmegaConf InterpolationResolutionError traceback from deep inside the run."""
+    error = cli_error(tmp_path, monkeypatch, capsys, "+experiment=recycle-table", *args)
+    assert error.startswith(f"Invalid setting `{setting}`:"), error
+    for word in words:
+        assert word in error, error
+
+
+def test_table_column_outside_a_table(tmp_path):
+    s = run(tmp_path, *SIM, "table.column=30m")
+    assert_config_error(s, "table.column", "no paper table", "+experiment=recycle-table")
+
+
+@pytest.mark.parametrize("backend", [SIM, LOCAL])
+@pytest.mark.parametrize("override", ["backend.unannounced=stop", "backend.launcher=torchrun",
+                                      "backend.store_port=29600"])
+def test_dist_only_settings_off_dist(tmp_path, backend, override):
+    s = run(tmp_path, *backend, "strategy=none", "failures=none", override)
+    assert_config_error(s, override.split("=")[0], "only backend=dist reads it", "use backend=dist")
+
+
+def test_min_nodes_too_deep_names_min_nodes(tmp_path):
+    s = run(tmp_path, *SIM, "model=gpt-tiny", "strategy=oobleck", "strategy.min_nodes=99")
+    assert_config_error(s, "strategy.min_nodes", "8 nodes", "at most 4")
+
+
+@pytest.mark.parametrize("args,setting,words", [
+    (("'failures.events=[{iteration:3,node:1}'".strip("'"),), "failures.events",
+     ["1 '[' but 0 ']'", "single quotes"]),
+    (("failures.events=[{iteration:3,node:1},{iteration:4,node:2,at:late}]",), "failures.events[1].at",
+     ["'late'", "takes a number"]),
+    (("failures.events=[{iteration:3,node:1,at:late}]",), "failures.events[0].at", ["'late'"]),
+    (("failures.events=[{iteration:3,node:1,tme_s:5}]",), "failures.events[0].tme_s",
+     ["did you mean time_s", "node, iteration, time_s, kind, at"]),
+])
+def test_events_hydra_rejects_name_the_event(tmp_path, monkeypatch, capsys, args, setting, words):
+    """An unbalanced bracket named `backend` (the first key the parse error happened to hold);
+    a bad field of an event named the field alone (`at`)."""
+    error = cli_error(tmp_path, monkeypatch, capsys, "backend=sim", "failures=scripted", *args)
+    assert error.startswith(f"Invalid setting `{setting}`:"), error
+    for word in words:
+        assert word in error, error
+
+
+@pytest.mark.parametrize("strategy,override,words", [
+    ("swift", "strategy.start=fastest", ["strategy 'swift' has no such setting; it is varuna's", "strategy=varuna"]),
+    ("checkpoint", "strategy.overhead_bound=0.5", ["strategy 'checkpoint' has no such setting; it is checkfreq's"]),
+    ("varuna", "strategy.overhead_bound=0.5", ["it is checkfreq's"]),
+    ("elastic-horovod", "strategy.keep=3", ["strategy 'elastic-horovod' has no such setting"]),
+    ("checkfreq", "strategy.mtbf_hours=5", ["strategy 'checkfreq' has no such setting"]),
+    ("recycle", "strategy.every=3", ["strategy.fallback=checkpoint"]),
+])
+def test_a_field_of_another_strategy(tmp_path, strategy, override, words):
+    """Fields of the checkpoint schema that the chosen strategy does not read (they did nothing)."""
+    s = run(tmp_path, *SIM, f"strategy={strategy}", override)
+    assert_config_error(s, override.split("=")[0].removeprefix("+"), *words)
+
+
+@pytest.mark.parametrize("strategy,override", [("varuna", "strategy.start=fastest"),
+                                               ("checkfreq", "strategy.overhead_bound=0.05"),
+                                               ("recycle", "strategy.every=3"),
+                                               ("checkpoint", "strategy.overhead_bound=0.035")])  # the default
+def test_a_field_of_the_strategy_itself_is_fine(tmp_path, strategy, override):
+    extra = ("strategy.fallback=checkpoint",) if strategy == "recycle" else ()
+    s = run(tmp_path, *SIM, f"strategy={strategy}", override, *extra)
+    assert s["status"] == "ok", s["error"]
