@@ -21,6 +21,7 @@ from ftbench.context import RunContext
 from ftbench.errors import ConfigError, UserError
 from ftbench.failures import build_failure_script
 from ftbench.folders import inside
+from ftbench.progress_lines import ProgressLines
 from ftbench.metrics import MetricsWriter, WandbSink, clean_stale_summaries, ettr, write_summary
 from ftbench.report import format_summary, plot_gantt, plot_gantt_panels
 from ftbench.actions import FILE, SNAPSHOT
@@ -94,12 +95,21 @@ def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, met
             summary["efficiency"] = calibration["efficiency"]
         sink = WandbSink(cfg.wandb, run_dir, name=run_dir.name, job_type=str(cfg.strategy.name),
                          group=wandb_group, config=cfg)
+        lines = ProgressLines.for_console(cfg.report, int(cfg.train.iterations), echo)
 
         def log(record: dict) -> None:
             metrics.log(record)
             sink.log(record)
+            if lines is not None:
+                lines.observe(record)
 
-        summary.update(_run(cfg, run_dir, log, cache_dir))
+        try:
+            if lines is not None:
+                lines.start()
+            summary.update(_run(cfg, run_dir, log, cache_dir))
+        finally:
+            if lines is not None:
+                lines.stop()
     except UserError as err:
         config_error = isinstance(err, ConfigError)
         summary.update(status=err.status, error=str(err))
