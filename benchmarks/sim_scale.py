@@ -104,7 +104,7 @@ def child(name: str, run_dir: Path, overrides: list[str]) -> None:
         deciding.wrap(REGISTRY[name], method)
     cfg = compose(overrides + [f"strategy={name}"])
     if "plan_cache" in cfg.strategy:  # a cold plan cache: every plan is made in this run
-        cfg = compose(overrides + [f"strategy={name}", f"strategy.plan_cache={run_dir}/plan-cache"])
+        cfg = compose(overrides + [f"strategy={name}", "strategy.plan_cache=plan-cache"])
     try:
         execute(cfg, run_dir, echo=lambda *_: None)
     finally:

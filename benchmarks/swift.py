@@ -1,6 +1,6 @@
 """Swift against checkpoint restart, CheckFreq and Elastic Horovod, on the simulator.
 
-    python benchmarks/swift.py [--quick] [--plot swift.png] [--parallel 4]
+    python benchmarks/swift.py [--quick] [--plot runs/swift.png] [--parallel 4]
 
 Typical duration: 9-30 s (--quick: 8-40 s) on 2 shared cores, depending on load; every row is a simulated run.
 
@@ -101,7 +101,8 @@ def main(argv=None) -> int:
                                      epilog=f"Typical duration: {DURATION}.")
     parser.add_argument("--quick", action="store_true", help="Swift's setup and GPT-3 Medium only")
     parser.add_argument("--parallel", type=int, default=4, help="parallel recovery's workers per replayed one")
-    parser.add_argument("--plot", type=Path, default=Path("swift.png"), help="total times as bars ('' for none)")
+    parser.add_argument("--plot", default="runs/swift.png",
+                        help="total times as bars, written under runs/ unless given ('' for none)")
     args = parser.parse_args(argv)
     print(f"swift.py: a row per simulated run; typically {DURATION}", file=sys.stderr, flush=True)
     print("Swift vs checkpoint restart, CheckFreq, Elastic Horovod (sim; one failure per run; times in s)",
@@ -110,8 +111,8 @@ def main(argv=None) -> int:
     results = measure(args.quick, args.parallel, echo=lambda line: print(line, flush=True))
     print(f"\n{len(results)} setups in {time.perf_counter() - started:.0f} s. `best/this`: the best total time of "
           "CheckFreq and Elastic Horovod over this row's (above 1: faster than both).")
-    if str(args.plot):
-        _plot(results, args.plot)
+    if args.plot:
+        _plot(results, Path(args.plot))
         print(f"plot: {args.plot}")
     return 0
 
@@ -155,6 +156,7 @@ def _plot(results: dict, path: Path) -> None:
         ax.set_ylabel("total time of the run (s)", fontsize=8)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
 

@@ -1,7 +1,7 @@
 """Swift's selective logging for GPT-3 models: log bytes against modelled recovery time.
 
     python benchmarks/swift_logging.py [--models gpt3-medium gpt3-2.7b gpt3-6.7b] [--pp 8]
-        [--microbatches 16] [--interval 100] [--parallel 1] [--plot swift_logging.png]
+        [--microbatches 16] [--interval 100] [--parallel 1] [--plot runs/swift_logging.png]
 
 Typical duration: 2-5 s on 2 shared cores (the cost model only; nothing is trained or simulated).
 
@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     parser.add_argument("--interval", type=int, default=100, help="iterations between checkpoints (Swift: 100)")
     parser.add_argument("--parallel", type=int, default=1, help="parallel recovery's degree (default 1: serial)")
     parser.add_argument("--hardware", default="a100-80gb")
-    parser.add_argument("--plot", type=Path, default=Path("swift_logging.png"), help="the curves' PNG ('' for none)")
+    parser.add_argument("--plot", default="runs/swift_logging.png",
+                        help="the curves' PNG, written under runs/ unless given ('' for none)")
     args = parser.parse_args(argv)
     print(f"swift_logging.py: Swift's selective logging, log bytes vs recovery time; typically {DURATION}", file=sys.stderr, flush=True)
     print(f"Swift selective logging: pp {args.pp} (a machine per stage), {args.microbatches} micro-batches, "
@@ -84,6 +85,7 @@ def main(argv=None) -> int:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.plot, dpi=120)
         print(f"\nplot: {args.plot}")
     return 0
