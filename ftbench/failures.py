@@ -11,6 +11,7 @@ Everything random is drawn from `random.Random(seed)`, so a seed always gives th
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import random
 from dataclasses import dataclass
@@ -54,6 +55,13 @@ class FailureScript:
     # trace with later adds: a job left with too few nodes to go on waits for them, as the
     # Oobleck artifact's simulators do (ftbench.loop, Recovery.wait); elsewhere it ends there
     waits_for_joins: bool = False
+    # scripted only: each event's index in failures.events, for messages that name it
+    event_index: dict[FailureEvent, int] = dataclasses.field(default_factory=dict)
+
+    def setting_of(self, event: FailureEvent) -> str:
+        """`failures.events[i]` for a scripted event (`failures.events` when not known)."""
+        index = self.event_index.get(event)
+        return "failures.events" if index is None else f"failures.events[{index}]"
 
 
 def take_until(events: Iterable[FailureEvent], horizon_s: float) -> list[FailureEvent]:
@@ -92,23 +100,26 @@ def check_reachable(script: FailureScript, iterations: int, max_hours: float | N
     hours) never reaches: they would be silently dropped. Iterations are numbered from 0, so
     an event at iteration `iterations` or later never fires (a join scripted "at iteration k"
     takes effect before iteration k, which does not exist either). Timed events are checked
-    against `max_hours` only: without it, when the run ends is not known before it runs.
+    against `max_hours` only, the one end time known before the run: when the last iteration
+    ends depends on the recoveries (and on the wall clock on local/dist), so an event after
+    the fault-free run's end may still fire once earlier failures delay the run. The run loop
+    applies no event at or past the time limit (ftbench.loop), and neither is accepted here.
     Streams (interval, poisson, trace) may run past the end by design and are not checked.
     Returns `script`."""
     for event in script.by_iteration:
         if event.iteration >= iterations:
-            raise ConfigError("failures.events",
+            raise ConfigError(script.setting_of(event),
                               f"the {event.kind} of node {event.node} at iteration {event.iteration} never happens: "
                               f"the run has iterations 0..{iterations - 1} (train.iterations={iterations})",
                               f"script events at iterations below {iterations}, or raise train.iterations")
     if max_hours is not None:
         horizon_s = max_hours * 3600.0
         for event in script.scripted_by_time:
-            if event.time_s > horizon_s:
-                raise ConfigError("failures.events",
+            if event.time_s >= horizon_s:
+                raise ConfigError(script.setting_of(event),
                                   f"the {event.kind} of node {event.node} at time_s {event.time_s:g} never happens: "
                                   f"the run stops at train.max_hours={max_hours:g} ({horizon_s:g} s)",
-                                  f"script events at time_s <= {horizon_s:g}, or raise train.max_hours")
+                                  f"script events at time_s below {horizon_s:g}, or raise train.max_hours")
     return script
 
 
@@ -186,7 +197,7 @@ def check_at(at, setting: str) -> float | None:
 
 def _scripted(events, num_nodes: int, at: float | None = None) -> FailureScript:
     """`at`: failures.at, where events by iteration strike unless they say (None: the default)."""
-    by_iteration, by_time = [], []
+    by_iteration, by_time, index = [], [], {}
     joined = {_get(ev, "node") for ev in events if (_get(ev, "kind") or "fail") == "join"}
     for i, ev in enumerate(events):
         setting = f"failures.events[{i}]"
@@ -214,17 +225,20 @@ def _scripted(events, num_nodes: int, at: float | None = None) -> FailureScript:
             if iteration < 0:
                 raise ConfigError(setting, f"iteration {iteration} is negative", "give an iteration >= 0")
             point = own_at if own_at is not None else at if kind == "fail" else None
-            by_iteration.append(FailureEvent(node=int(node), kind=kind, iteration=int(iteration), at=point))
+            event = FailureEvent(node=int(node), kind=kind, iteration=int(iteration), at=point)
+            by_iteration.append(event)
         else:
             if time_s < 0:
                 raise ConfigError(setting, f"time_s {time_s} is negative", "give a time >= 0 s")
-            by_time.append(FailureEvent(node=int(node), kind=kind, time_s=float(time_s)))
+            event = FailureEvent(node=int(node), kind=kind, time_s=float(time_s))
+            by_time.append(event)
+        index.setdefault(event, i)
     # sorted() is stable: events at the same iteration/time keep the order they were written in.
     by_iteration.sort(key=lambda e: e.iteration)
     by_time.sort(key=lambda e: e.time_s)
     return FailureScript(by_iteration, iter(by_time),
                          description=f"scripted, {len(by_iteration)} events by iteration, "
-                                     f"{len(by_time)} by time", scripted_by_time=tuple(by_time))
+                                     f"{len(by_time)} by time", scripted_by_time=tuple(by_time), event_index=index)
 
 
 # --- interval ------------------------------------------------------------------------------

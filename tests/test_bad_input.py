@@ -90,24 +90,37 @@ def test_text_data_needs_a_path(tmp_path):
 
 def test_event_after_the_last_iteration(tmp_path):
     s = run(tmp_path, *SIM, "failures=scripted", "failures.events=[{iteration:50,node:1}]", "train.iterations=3")
-    assert_config_error(s, "failures.events", "iteration 50", "0..2")
+    assert_config_error(s, "failures.events[0]", "iteration 50", "0..2")
 
 
 def test_event_at_the_iteration_count_never_fires(tmp_path):
     s = run(tmp_path, *SIM, "failures=scripted", "failures.events=[{iteration:3,node:1,kind:join}]",
             "train.iterations=3")
-    assert_config_error(s, "failures.events", "iteration 3")
+    assert_config_error(s, "failures.events[0]", "iteration 3")
 
 
 def test_event_after_max_hours(tmp_path):
     s = run(tmp_path, *SIM, "failures=scripted", "failures.events=[{time_s:99999,node:1}]", "train.max_hours=1",
             "train.iterations=1000000")
-    assert_config_error(s, "failures.events", "time_s 99999", "train.max_hours=1")
+    assert_config_error(s, "failures.events[0]", "time_s 99999", "train.max_hours=1")
+
+
+@pytest.mark.parametrize("events,words", [
+    ("[{iteration:1,node:2},{time_s:3600,node:1}]", ["failures.events[1]`", "time_s 3600"]),  # the loop stops there
+    ("[{time_s:10,node:1},{iteration:9,node:2},{time_s:7200,node:3}]", ["failures.events[1]`", "iteration 9"]),
+    ("[{time_s:10,node:1},{time_s:7200,node:3,kind:join}]", ["failures.events[1]`", "join of node 3"]),
+])
+def test_events_past_the_end_are_named_by_index(tmp_path, events, words):
+    """Timed and iteration events alike: refused where the run's end is known before it runs
+    (train.iterations, train.max_hours); the event is named by its index."""
+    s = run(tmp_path, *SIM, "failures=scripted", f"failures.events={events}", "train.max_hours=1",
+            "train.iterations=5")
+    assert_config_error(s, words[0].rstrip("`"), *words)
 
 
 def test_reachable_events_pass():
     script = FailureScript([FailureEvent(1, iteration=2)], iter(()),
-                           scripted_by_time=(FailureEvent(1, time_s=3600.0),))
+                           scripted_by_time=(FailureEvent(1, time_s=3599.0),))
     assert check_reachable(script, 3, 1.0) is script
     assert check_reachable(script, 3, None) is script  # no time limit: when the run ends is not known
 
