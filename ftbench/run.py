@@ -299,7 +299,8 @@ def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: s
     threads = configure_threads(cfg.backend, ctx.spec)  # before any torch work (ftbench/threads.py)
     from ftbench.engine.backend import LocalBackend
     from ftbench.engine.local import check_fits_host
-    from ftbench.equivalence import compare, divergence_error
+    from ftbench.equivalence import divergence_error
+    from ftbench.fault_free import check as check_fault_free
     from ftbench.models.gpt import save_pretrained
 
     check_fits_host(ctx, cfg.cluster.dp, cfg.backend.dtype)
@@ -321,15 +322,15 @@ def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: s
         state = engine.final_state()
         result["final_state"] = str(save_pretrained(state, ctx.spec, run_dir / "final_model"))
         if cfg.report.check_fault_free and strategy.name != "none":
-            try:
-                ref_losses, ref_state = fault_free_reference(cfg, ctx, progress=cfg.report.progress)
+            try:  # float32: against a measured noise floor (ftbench/fault_free.py)
+                result.update(check_fault_free(cfg, ctx, outcome.losses, state, progress=cfg.report.progress))
             except BaseException as err:  # Ctrl-C during the check: the summary is the run's, not the check's
                 err.outcome = outcome
                 raise
-            difference = compare(outcome.losses, state, ref_losses, ref_state)
-            result["matches_fault_free"] = difference is None
-            result["fault_free_difference"] = difference
-            log({"event": "equivalence", "matches_fault_free": difference is None, "difference": difference})
+            difference = result["fault_free_difference"]
+            log({"event": "equivalence", "matches_fault_free": difference is None, "difference": difference,
+                 "difference_max": result["fault_free_difference_max"],
+                 "noise_floor": result["fault_free_noise_floor"]})
             if difference is not None:  # the strategy trained another model: a harness or strategy bug
                 result.update(status="diverged", error=divergence_error(difference, cfg.backend.dtype,
                                                                         result.get("plan_segments")))

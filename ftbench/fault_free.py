@@ -1,0 +1,67 @@
+"""The after-run check against fault-free training, shared by the local and dist backends.
+
+Fault-free training of the same setup runs on the local backend in the run's dtype
+(`ftbench.run.fault_free_reference`) and the run is judged against it
+(`ftbench.equivalence`). A float32 run that is not bit for bit the reference is judged against
+a measured noise floor: the same fault-free training once more in float64. That floor
+depends only on the setup, not on the strategy or the failures, so it is measured once per
+setup in a process (a sweep or a test session judging several strategies of one setup pays
+for it once). A run equal to the reference bit for bit needs no floor and gets none.
+"""
+from __future__ import annotations
+
+import json
+
+from ftbench.equivalence import NoiseFloor, identical, noise_floor, summary_fields
+from ftbench.errors import ResultError
+
+_FLOORS: dict[str, NoiseFloor] = {}  # setup -> its float32 noise floor (this process)
+# What fault-free training does not depend on: the strategy, the failures, reporting.
+_NOT_SETUP = ("strategy", "failures", "report", "wandb", "hydra", "calibrate", "table")
+
+
+def check(cfg, ctx, losses: list[float], state: dict, progress: bool = False) -> dict:
+    """The summary's equivalence keys (`ftbench.equivalence.summary_fields`) for a run that
+    trained `losses` and final weights `state`."""
+    from ftbench.run import fault_free_reference
+
+    ref_losses, ref_state = fault_free_reference(cfg, ctx, progress=progress)
+    floor = None
+    if cfg.backend.dtype == "float32" and not identical(losses, state, ref_losses, ref_state):
+        floor = float32_floor(cfg, ctx, ref_losses, ref_state, progress)
+    return summary_fields(losses, state, ref_losses, ref_state, floor)
+
+
+def float32_floor(cfg, ctx, ref_losses, ref_state, progress: bool = False) -> NoiseFloor | None:
+    """The noise floor of float32 fault-free training (`ref_*`) of this setup, measured
+    against the same training in float64; None when float64 training would not fit in this
+    machine's memory (the check then falls back to float tolerance)."""
+    from omegaconf import OmegaConf
+
+    from ftbench.engine.local import check_fits_host
+    from ftbench.run import fault_free_reference
+
+    key = _setup_key(cfg)
+    if key is not None and key in _FLOORS:
+        return _FLOORS[key]
+    try:
+        check_fits_host(ctx, cfg.cluster.dp, "float64")
+    except ResultError:
+        return None
+    exact = OmegaConf.merge(cfg, {"backend": {"dtype": "float64"}})
+    floor = noise_floor(ref_losses, ref_state, *fault_free_reference(exact, ctx, progress=progress))
+    if key is not None:
+        _FLOORS[key] = floor
+    return floor
+
+
+def _setup_key(cfg) -> str | None:
+    """The settings fault-free training depends on, as text (None: not comparable)."""
+    from omegaconf import OmegaConf
+
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 an unresolvable config is measured, not cached
+        return None
+    kept = {k: v for k, v in resolved.items() if k not in _NOT_SETUP}
+    return json.dumps(kept, sort_keys=True, default=str)
