@@ -4,6 +4,8 @@ replacement replays from the checkpoint reading its peers' log files) or from a 
 and training equals fault-free training. The logging case is also compared with the same run
 on `local`: the same recovery actions, the same losses and weights bit for bit (float32)."""
 import json
+import threading
+import time
 
 import pytest
 
@@ -50,6 +52,38 @@ def test_a_lost_stage_without_replica_is_replayed_from_the_logs(tmp_path, parall
     assert [r["actions"] for r in summary["recoveries"]] == [r["actions"] for r in local["recoveries"]]
     assert recovery["actions"] == ["WaitForReplacement", "UndoSteps", "Rendezvous", "ReplayLogs"]
     _assert_equal_training(summary, local)
+
+
+def test_a_damaged_log_is_found_before_the_replay_and_the_job_restarts_from_the_checkpoint(tmp_path):
+    """As above (serial), but stage 0's log of iteration 2, which the replay reads, is cut in
+    half as soon as it is written (a watcher here): every rank finds it damaged before the
+    replay uses it (ftbench.engine.log_file), and the run loop restarts the job from the
+    checkpoint of iteration 2 instead; training still equals fault-free training."""
+    target = tmp_path / "swift-logs" / "worker0" / "iteration00000002.pt"
+    stop = threading.Event()
+
+    def truncate_once() -> None:
+        while not stop.is_set():
+            if target.exists():  # whole from the start: the writer renames it into place
+                target.write_bytes(target.read_bytes()[:-64])
+                return
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=truncate_once, daemon=True)
+    watcher.start()
+    try:
+        summary, _ = run_dist(tmp_path, *SWIFT, "cluster.pp=2", "cluster.dp=1", "train.iterations=5",
+                              "failures=scripted", "failures.events=[{iteration:3,node:1}]", "backend.timeout_s=30",
+                              setup=())
+    finally:
+        stop.set()
+    assert summary["matches_fault_free"] is True
+    (recovery,) = summary["recoveries"]
+    assert recovery["actions"] == ["WaitForReplacement", "UndoSteps", "Rendezvous", "ReplayLogs", "RestartJob",
+                                   "RestoreCheckpoint"]
+    assert "worker0/iteration00000002.pt: payload of" in recovery["fallback"], recovery["fallback"]
+    assert (recovery["restored_iteration"], recovery["lost_iterations"]) == (2, 1)
+    _assert_log_gone(tmp_path)
 
 
 def test_a_lost_stage_with_a_live_replica_is_copied_after_undoing_steps(tmp_path):

@@ -29,8 +29,9 @@ import torch
 from ftbench.actions import FILE, MEMORY, SNAPSHOT
 from ftbench.distributed.membership import log
 from ftbench.distributed.transport import (DistAbort, DistError, DistTransport, UnannouncedDeath, WaitFailed,
-                                           describe_error, p2p_order, plan_crc)
-from ftbench.engine.boundary_log import LoggingTransport, ReplayTransport, logged_key
+                                           describe_error, plan_crc)
+from ftbench.engine.boundary_log import LoggingTransport, ReplayTransport, unusable_replay
+from ftbench.engine.log_file import replay_sources
 from ftbench.engine.transport import ACT
 from ftbench.errors import ResultError
 from ftbench.engine.executor import WorkerExecutor, in_chunk, sum_chunks, sync_members, take_grads
@@ -367,23 +368,20 @@ class DistEngine:
         # Only the replaying ranks read the checkpoint; they must all find the one of `since`,
         # and every log file they will read must be there (else all stop here, alike).
         loaded = self.store.load(at_most=since) if replaying and self.store is not None else None
-        mine = (0 if loaded is None else loaded[0], self._missing_logs(plan, workers, since, until)) if replaying \
-            else None
+        start = 0 if loaded is None else loaded[0]
+        mine = (start, self._unusable_logs(plan, workers, start, until)) if replaying else None
         views = t.all_gather_objects(mine, "agree on the checkpoint and the logs the replay starts from")
         held = {v[0] for v in views if v is not None}
-        missing = [path for v in views if v is not None for path in v[1]]
+        problems = [problem for v in views if v is not None for problem in v[1]]
         if len(held) > 1:
             raise DistError(f"the replaying ranks found different checkpoints in {self.store.root}: iterations "
                             f"{[None if v is None else v[0] for v in views]} (ranks {t.alive}; None: not replaying); "
                             "is the run folder shared?")
         if not held:
             raise DistError(f"no live rank runs the replayed workers {sorted(workers)}")
-        if held != {since}:
-            raise ResultError("unrecoverable", f"the replay starts from the checkpoint of iteration {since}, but the "
-                              f"newest usable checkpoint holds iteration {held.pop()}")
-        if missing:
-            raise ResultError("unrecoverable", f"the replay of iterations {since}..{until - 1} needs boundary logs "
-                              f"that are not there: {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
+        unusable = unusable_replay(since, held.pop(), until, problems)
+        if unusable is not None:  # every rank alike, nothing used yet: the run loop falls back
+            raise unusable
         if replaying:
             if loaded is None:  # iteration 0 without a file: the initial weights, re-created from the seed
                 for layers, replica in list(self.worker.replicas.items()):
@@ -398,15 +396,11 @@ class DistEngine:
             t.all_sum(torch.zeros(1, dtype=torch.float64, device=self.device),
                       f"wait for the replay of iteration {iteration} by workers {sorted(workers)}")
 
-    def _missing_logs(self, plan, workers: frozenset, since: int, until: int) -> list[str]:
-        """The log files this worker's replay would read (what workers outside the replay sent
-        it across a logged boundary, each iteration) that are not on storage."""
-        _, receives = p2p_order(plan)
-        me = self.worker.id
-        sources = sorted({src for (src, dst), keys in receives.items()
-                          if dst == me and src not in workers and any(logged_key(k, plan.logged) for k in keys)})
-        paths = [self.boundary_log.path(src, i) for src in sources for i in range(since, until)]
-        return [str(p) for p in paths if not p.exists()]
+    def _unusable_logs(self, plan, workers: frozenset, since: int, until: int) -> list[str]:
+        """What is wrong with the log files this worker's replay from `since` would read (what
+        workers outside the replay sent it across a logged boundary, each iteration): missing
+        or not verifying (ftbench.engine.log_file), as 'path: reason'."""
+        return self.boundary_log.check(replay_sources(plan, [self.worker.id], workers), since, until)
 
     def _replay_steps(self, plan, workers: frozenset) -> list:
         """This worker's steps of a replay by `workers`: all its ops, and the sums it takes
