@@ -236,18 +236,20 @@ def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str
         from ftbench.distributed.worker import train
 
         result = train(job, log=log)
-    elif cfg.backend.get("launcher", "self") == "torchrun":
-        # torchrun starts the processes on the nodes; this process hosts the job's store and
-        # writes the run folder, so that no node's death ends the job.
-        result = coordinate(job, job_nodes(cfg, cluster), cluster.gpus_per_node, log, timeout_s(cfg), deadline_s(cfg),
-                            int(cfg.backend.store_port))
-    elif per_node(cfg):
-        # One agent per node, standbys included, so a node's death ends only its own processes.
-        nodes = job_nodes(cfg, cluster)
-        result = launch_nodes(job, nodes, cluster.gpus_per_node, log, timeout_s(cfg), deadline_s(cfg))
     else:
-        processes = len(strategy.plan(cluster.view()).workers)
-        result = launch_training(job, processes, log, timeout_s(cfg), deadline_s(cfg))
+        logged = LoggedTotals(log, ctx.global_batch)
+        try:
+            result = _launch(cfg, strategy, cluster, job, logged)
+        except BaseException as err:
+            from ftbench.distributed.transport import DistError
+
+            if isinstance(err, DistError):
+                # The job stopped without results: the summary keeps what its metrics lines
+                # recorded (issue 36: one said `failures: 0` after a logged failure).
+                log({"event": "error", "status": err.status, "error": str(err)})
+                return {**logged.totals(), "status": err.status, "error": str(err)}
+            err.outcome = logged.outcome()  # a bug, or Ctrl-C: ftbench.run records it with these totals
+            raise
     if result.get("final_state_file"):  # the leader was not rank 0 (its node failed): write the model here
         import torch
 
@@ -265,6 +267,70 @@ def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str
     log({"event": "end", "status": result.get("status"), "iterations": result.get("iterations"),
          "time_s": result.get("time_s")})
     return result
+
+
+def _launch(cfg, strategy, cluster, job: dict, log) -> dict:
+    """Start the job's processes the way the settings ask; the leader's results."""
+    if cfg.backend.get("launcher", "self") == "torchrun":
+        # torchrun starts the processes on the nodes; this process hosts the job's store and
+        # writes the run folder, so that no node's death ends the job.
+        return coordinate(job, job_nodes(cfg, cluster), cluster.gpus_per_node, log, timeout_s(cfg), deadline_s(cfg),
+                          int(cfg.backend.store_port))
+    if per_node(cfg):
+        # One agent per node, standbys included, so a node's death ends only its own processes.
+        nodes = job_nodes(cfg, cluster)
+        return launch_nodes(job, nodes, cluster.gpus_per_node, log, timeout_s(cfg), deadline_s(cfg))
+    processes = len(strategy.plan(cluster.view()).workers)
+    return launch_training(job, processes, log, timeout_s(cfg), deadline_s(cfg))
+
+
+class LoggedTotals:
+    """The run's `log`, keeping the totals of what it forwards (the leader's metrics lines):
+    a job that stops without results is recorded with what it did, as the run loop counts it
+    (iterations kept, failures, recoveries, time)."""
+
+    def __init__(self, log, global_batch: int):
+        self.log, self.global_batch = log, global_batch
+        self.iterations = 0  # where the run loop is: the next iteration's index
+        self.time_s = 0.0
+        self.failures = 0
+        self.checkpoints = 0
+        self.recoveries: list[dict] = []
+        self.losses: dict[int, float] = {}
+
+    def __call__(self, record: dict) -> None:
+        event = record.get("event")
+        if event == "iteration":
+            self.iterations = record["iteration"] + 1
+            self.losses[record["iteration"]] = record.get("loss")
+        elif event == "recovery":
+            self.iterations = record.get("restored_iteration", self.iterations)
+            self.recoveries.append({k: v for k, v in record.items() if k != "event"})
+        elif event == "fail":
+            self.failures += 1
+        elif event == "checkpoint":
+            self.checkpoints += 1
+        if isinstance(record.get("time_s"), (int, float)):
+            self.time_s = float(record["time_s"])
+        self.log(record)
+
+    def totals(self) -> dict:
+        """The summary's totals from what was logged (no plan segments or ETTR: not logged)."""
+        samples = self.iterations * self.global_batch
+        return {"iterations": self.iterations, "samples": samples, "time_s": self.time_s,
+                "throughput": samples / self.time_s if self.time_s > 0 else 0.0, "failures": self.failures,
+                "recoveries": self.recoveries, "checkpoints": self.checkpoints,
+                "lost_iterations": sum(r.get("lost_iterations", 0) for r in self.recoveries),
+                "losses": [self.losses[i] for i in sorted(self.losses) if i < self.iterations]}
+
+    def outcome(self):
+        """The same as ftbench.run reads it from an exception's `outcome`."""
+        from ftbench.loop import LoopOutcome
+
+        totals = self.totals()
+        return LoopOutcome(status="error", iterations=self.iterations, time_s=self.time_s, failures=self.failures,
+                           recoveries=self.recoveries, losses=totals["losses"], checkpoints=self.checkpoints,
+                           global_batch=self.global_batch)
 
 
 def job_of(cfg, run_dir) -> dict:
@@ -330,7 +396,6 @@ def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float,
     import sys
 
     from ftbench.distributed.membership import STORE_ENV
-    from ftbench.distributed.transport import DistError
 
     folder = _fresh_folder(job)
     job_path = folder / "job.pkl"
@@ -350,13 +415,7 @@ def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float,
                      str(gpus_per_node), f"127.0.0.1:{port}", run_id],
                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                     env=dict(os.environ, **{STORE_ENV: f"127.0.0.1:{port}"})))
-        for agent in agents:
-            left = deadline - (time.monotonic() - started)
-            try:
-                agent.wait(timeout=max(left, 0.01))
-            except subprocess.TimeoutExpired:
-                raise DistError(f"the dist job ran past its deadline of {deadline:g} s (backend.deadline_s) and was "
-                                f"stopped; rank logs in {folder / 'logs'}") from None
+        _wait_for_agents(agents, _job_view(store), timeout, deadline, started, folder)
     finally:
         for agent in agents:  # an agent and the processes it forked share its session
             if agent.poll() is None:
@@ -367,9 +426,31 @@ def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float,
                 agent.wait()
         tail.stop()
     try:
-        return _result(store, folder, started, f"agent logs in {folder}")
+        return _result(store, folder, started, f"agent logs in {folder}", _failed_agents(agents, folder))
     finally:
         del store
+
+
+def _wait_for_agents(agents, view, timeout: float, deadline: float, started: float, folder: Path) -> None:
+    """Until every agent has exited, or `timeout` seconds after the leader posted its results
+    (the ranks leave within seconds then; one that hangs must not turn a finished job into one
+    past its deadline), or past `deadline` without results (DistError)."""
+    from ftbench.distributed.transport import DistError
+    from ftbench.distributed.worker import RESULT_KEY
+
+    posted = None  # when the results were first seen
+    while any(agent.poll() is None for agent in agents):
+        now = time.monotonic()
+        if posted is None and view.check([RESULT_KEY]):
+            posted = now
+        if posted is not None and now - posted > timeout:
+            return
+        if now - started > deadline:
+            if posted is not None:
+                return
+            raise DistError(f"the dist job ran past its deadline of {deadline:g} s (backend.deadline_s) and was "
+                            f"stopped; rank logs in {folder / 'logs'}")
+        time.sleep(0.1)
 
 
 def coordinate(job: dict, nodes: int, gpus_per_node: int, log, timeout: float, deadline: float, port: int) -> dict:
@@ -453,8 +534,23 @@ def _fresh_folder(job: dict) -> Path:
     return folder
 
 
-def _result(store, folder: Path, started: float, where: str) -> dict:
-    """The results the leader posted in the store, or the job's root-cause error."""
+def _failed_agents(agents, folder: Path) -> str:
+    """Which node agents exited with an error, and the last line each wrote (an agent that
+    failed before its processes started, e.g. on an import, leaves no rank error record)."""
+    failed = []
+    for node, agent in enumerate(agents):
+        if agent.returncode:
+            try:
+                lines = (folder / f"agent{node}.log").read_text(errors="replace").strip().splitlines()
+            except OSError:
+                lines = []
+            failed.append(f"node {node}'s agent exited with {agent.returncode}" + (f": {lines[-1]}" if lines else ""))
+    return "; ".join(failed)
+
+
+def _result(store, folder: Path, started: float, where: str, agents: str = "") -> dict:
+    """The results the leader posted in the store, or the job's root-cause error (`agents`:
+    what the node agents said, when no rank left an error record)."""
     import pickle
 
     from ftbench.distributed.transport import DistError
@@ -466,7 +562,8 @@ def _result(store, folder: Path, started: float, where: str) -> dict:
     root = first_error(folder)
     if root is not None:
         raise _rank_error(root, folder, where)
-    raise DistError(f"the dist job ended without results after {time.monotonic() - started:.1f} s ({where})")
+    raise DistError(f"the dist job ended without results after {time.monotonic() - started:.1f} s"
+                    + (f": {agents}" if agents else "") + f" ({where})")
 
 
 def free_port() -> int:

@@ -106,7 +106,10 @@ class DistAbort(RuntimeError):
     """The job stops on every rank: a wait of a recovery failed and no process had died, or a
     rank that stopped with an error (not a failure) is missing. Not a run result (the run
     loop turns UserErrors of a recovery into a status on the rank that raised them): the
-    launcher reports the job's earliest error, the root cause."""
+    launcher reports the job's earliest error, the root cause. Never a bug of its own (a
+    rank's bug is that rank's earlier error): `user_error` in its error record."""
+
+    user_error = True
 
 
 def describe_error(err: BaseException) -> str:

@@ -91,9 +91,10 @@ def report_errors(error_dir: str | Path | None):
 
 
 def _is_user_error(err: BaseException) -> bool:
+    """Whether the launcher reports `err` as what the user can act on (else: a bug, exit 1)."""
     from ftbench.errors import UserError
 
-    return isinstance(err, UserError)
+    return isinstance(err, UserError) or getattr(err, "user_error", False) is True
 
 
 class LineWriter:
