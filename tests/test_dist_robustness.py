@@ -185,7 +185,7 @@ def test_a_job_stopped_after_a_failure_counts_it(tmp_path):
     the two iterations its metrics lines logged (one said `failures: 0`)."""
     out, summary, lines = _cli(tmp_path, "backend=dist", "model=gpt-tiny", "cluster.pp=2", "cluster.dp=2",
                                "train.iterations=4", "train.microbatches=4", "strategy=recycle",
-                               "cluster.gpus_per_node=1", "failures.events=[{iteration:2,node:1}]",
+                               "cluster.gpus_per_node=1", "cluster.spares=0", "failures.events=[{iteration:2,node:1}]",
                                "backend.stall=0:2:10", "backend.timeout_s=5", "report.gantt=false",
                                "report.progress=false", f"hydra.run.dir={tmp_path}")
     assert summary["status"] == "error" and out.returncode == 2, (summary.get("error"), out.stderr[-2000:])
