@@ -340,14 +340,34 @@ def check(cfg) -> None:
     """Refuse settings that Hydra's schema accepts but that this run would silently ignore
     (RunContext.from_config calls it, before anything runs)."""
     check_table_cell(cfg)
+    _check_numbers(cfg)
     _check_strategy_fields(cfg.strategy)
     backend = str(cfg.backend.name)
+    if backend != "sim" and cfg.backend.get("memoize", True) is not True:
+        raise ConfigError("backend.memoize", f"only backend=sim reads it, and backend={backend} would ignore it",
+                          "drop backend.memoize, or use backend=sim")
     if backend != "dist":
         for key in DIST_ONLY:
             default = getattr(BackendConfig, key)
             if cfg.backend.get(key, default) != default:
                 raise ConfigError(f"backend.{key}", f"only backend=dist reads it, and backend={backend} would "
                                   "ignore it", f"drop backend.{key}, or use backend=dist")
+
+
+def _check_numbers(node, prefix: str = "") -> None:
+    """No setting means anything by nan, and every comparison with it is false, so range checks
+    (`train.max_hours > 0`, `hardware.peak_tflops > 0`) would let it through."""
+    import math
+
+    from omegaconf import DictConfig, ListConfig
+
+    items = node.items() if isinstance(node, DictConfig) else enumerate(node)
+    for key, value in items:
+        name = f"{prefix}[{key}]" if isinstance(node, ListConfig) else f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, (DictConfig, ListConfig)):
+            _check_numbers(value, name)
+        elif isinstance(value, float) and math.isnan(value):
+            raise ConfigError(name, "nan is not a number", f"give {name} a number (or null where it may be unset)")
 
 
 def _set(strategy, key: str, schema) -> bool:

@@ -197,7 +197,7 @@ def _explained(err: BaseException, overrides: list[str], conf_dir: Path) -> Conf
     setting = _list_item(_setting(text, overrides), text, overrides)
     lines = text.strip().splitlines()
     problem = lines[0].rstrip(".") if lines else type(err).__name__
-    if "[" in setting:  # the first line only repeats the override: say what is wrong with the item
+    if problem.startswith("Error merging override"):  # it only repeats the override: say what is wrong
         problem = next((line.rstrip(".") for line in lines if re.match(r"(Value|Key) '", line)), problem)
     expanded = _expanded_braces(overrides)
     fix = (f"quote the override, e.g. '{expanded}=[{{iteration:3,node:5}}]': the shell expanded its braces "

@@ -241,16 +241,17 @@ def _check_cluster(c, spec: ModelSpec) -> None:
 
 
 def _check_hardware(hw) -> None:
-    for key in ("peak_tflops", "memory_gb", "hbm_gbps", "intra_node_gbps", "inter_node_gbps", "storage_gbps"):
+    for key in ("peak_tflops", "memory_gb", "hbm_gbps", "intra_node_gbps", "inter_node_gbps", "storage_gbps",
+                "host_gbps"):
         if getattr(hw, key) <= 0:
             raise ConfigError(f"hardware.{key}", f"must be positive, got {getattr(hw, key)}",
                               f"set hardware.{key} to a positive number")
     if not 0 < hw.efficiency <= 1:
         raise ConfigError("hardware.efficiency", f"must be in (0, 1], got {hw.efficiency}",
                           "set the achieved fraction of peak FLOP/s, e.g. hardware.efficiency=0.5")
-    if hw.link_latency_us < 0 or hw.restart_s < 0:
-        raise ConfigError("hardware.link_latency_us" if hw.link_latency_us < 0 else "hardware.restart_s",
-                          "must not be negative", "set a value >= 0")
+    for key in ("link_latency_us", "restart_s", "rendezvous_s"):
+        if getattr(hw, key) < 0:
+            raise ConfigError(f"hardware.{key}", f"must not be negative, got {getattr(hw, key)}", "set a value >= 0")
 
 
 def _batch(t, dp: int) -> tuple[int, int]:

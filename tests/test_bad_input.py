@@ -30,7 +30,7 @@ def assert_config_error(summary: dict, setting: str, *words: str) -> None:
 # -- settings that used to end in a traceback --------------------------------------------
 
 @pytest.mark.parametrize("override,setting", [("train.lr=-1", "train.lr"),
-                                              ("train.lr=nan", "train.lr"),
+                                              ("train.lr=inf", "train.lr"),
                                               ("train.weight_decay=-0.1", "train.weight_decay")])
 def test_negative_optimizer_settings(tmp_path, override, setting):
     assert_config_error(run(tmp_path, *SIM, override), setting, ">= 0")
@@ -38,7 +38,8 @@ def test_negative_optimizer_settings(tmp_path, override, setting):
 
 @pytest.mark.parametrize("strategy", ["checkpoint", "checkfreq", "varuna", "recycle"])
 def test_keep_zero(tmp_path, strategy):
-    s = run(tmp_path, *SIM, f"strategy={strategy}", "strategy.keep=0", "strategy.every=4")
+    fallback = ("strategy.fallback=checkpoint",) if strategy == "recycle" else ()  # recycle's checkpoints
+    s = run(tmp_path, *SIM, f"strategy={strategy}", "strategy.keep=0", "strategy.every=4", *fallback)
     assert_config_error(s, "strategy.keep", "at least 1")
 
 
@@ -408,7 +409,7 @@ def test_min_nodes_too_deep_names_min_nodes(tmp_path):
 
 
 @pytest.mark.parametrize("args,setting,words", [
-    (("'failures.events=[{iteration:3,node:1}'".strip("'"),), "failures.events",
+    (("failures.events=[{iteration:3,node:1}",), "failures.events",
      ["1 '[' but 0 ']'", "single quotes"]),
     (("failures.events=[{iteration:3,node:1},{iteration:4,node:2,at:late}]",), "failures.events[1].at",
      ["'late'", "takes a number"]),
@@ -447,3 +448,36 @@ def test_a_field_of_the_strategy_itself_is_fine(tmp_path, strategy, override):
     extra = ("strategy.fallback=checkpoint",) if strategy == "recycle" else ()
     s = run(tmp_path, *SIM, f"strategy={strategy}", override, *extra)
     assert s["status"] == "ok", s["error"]
+
+
+@pytest.mark.parametrize("override,setting", [
+    ("train.lr=nan", "train.lr"), ("train.max_hours=nan", "train.max_hours"),
+    ("cluster.replacement_s=nan", "cluster.replacement_s"), ("hardware.peak_tflops=nan", "hardware.peak_tflops"),
+    ("failures.events=[{time_s:nan,node:1}]", "failures.events[0].time_s"),
+])
+def test_nan_is_refused_everywhere(tmp_path, override, setting):
+    """Range checks (x > 0) let nan through: train.max_hours=nan ran with no time limit."""
+    extra = ("failures=scripted",) if override.startswith("failures.") else ()
+    assert_config_error(run(tmp_path, *SIM, *extra, override), setting, "nan is not a number")
+
+
+@pytest.mark.parametrize("override,setting,words", [
+    ("hardware.host_gbps=0", "hardware.host_gbps", ["must be positive"]),  # was a ZeroDivisionError (checkfreq)
+    ("hardware.rendezvous_s=-1", "hardware.rendezvous_s", ["must not be negative"]),  # was a negative recovery time
+])
+def test_hardware_rates_and_times(tmp_path, override, setting, words):
+    s = run(tmp_path, *SIM, "strategy=checkfreq", "failures=scripted", "failures.events=[{iteration:2,node:1}]",
+            override)
+    assert_config_error(s, setting, *words)
+
+
+def test_memoize_off_sim(tmp_path):
+    s = run(tmp_path, *LOCAL, "strategy=none", "failures=none", "backend.memoize=false")
+    assert_config_error(s, "backend.memoize", "only backend=sim reads it")
+
+
+def test_a_value_of_the_wrong_type_says_why(tmp_path, monkeypatch, capsys):
+    """The problem is OmegaConf's reason, not 'Error merging override train.iterations=1.5'."""
+    error = cli_error(tmp_path, monkeypatch, capsys, "backend=sim", "train.iterations=1.5")
+    assert error.startswith("Invalid setting `train.iterations`: Value '1.5'"), error
+    assert "takes an integer" in error
