@@ -385,11 +385,22 @@ def format_summary(summary: dict) -> str:
     ]
     if s.get("matches_fault_free") is not None:  # local runs that ran the equivalence check
         verdict = "yes" if s["matches_fault_free"] else f"NO ({s.get('fault_free_difference')})"
-        rows.append(("matches fault-free", verdict))
+        rows.append(("matches fault-free", verdict + _against_floor(s)))
     if s.get("run_dir"):  # where everything else is: the last line, found at a glance
         rows.append(("run folder", str(s["run_dir"])))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+def _against_floor(s: dict) -> str:
+    """A float32 verdict's numbers: the largest difference beside its measured noise floor."""
+    seen, floor = s.get("fault_free_difference_max"), s.get("fault_free_noise_floor")
+    if not seen or not floor:
+        return ""
+    def g(x) -> str:
+        return f"{x:.2g}" if isinstance(x, (int, float)) else str(x)
+    return (f"; {seen['parameter']} off by {g(seen['weights'])}, float32 noise floor {g(floor['weights'])}"
+            f" (x{floor['factor']} allowed); losses off by {g(seen['loss'])}, floor {g(floor['loss'])}")
 
 
 # --------------------------------------------------------------------------- many runs

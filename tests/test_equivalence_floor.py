@@ -10,6 +10,7 @@ import torch
 from conftest import LOCAL, run
 from ftbench import fault_free
 from ftbench.equivalence import FACTOR, NoiseFloor, compare, noise_floor, summary_fields
+from ftbench.report import format_summary
 
 CHECKED = (*LOCAL, "backend.dtype=float32", "report.check_fault_free=true", "train.iterations=6")
 # ReCycle re-routes the dead worker's micro-batches to its peer of the same stage: that stage's
@@ -25,6 +26,8 @@ def test_a_rerouted_float32_run_is_judged_against_its_measured_floor(tmp_path):
     assert floor["factor"] == FACTOR and floor["against"] == "float64" and floor["parameter"] == observed["parameter"]
     assert 0 < observed["weights"] <= FACTOR * floor["weights"]  # not bit for bit: the floor decided
     assert observed["loss"] <= FACTOR * floor["loss"]
+    line = next(x for x in format_summary(s).splitlines() if x.startswith("matches fault-free"))
+    assert f"{observed['parameter']} off by" in line and "float32 noise floor" in line, line
 
 
 def test_a_run_equal_bit_for_bit_needs_no_floor(tmp_path):
