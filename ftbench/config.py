@@ -342,6 +342,15 @@ def check(cfg) -> None:
     check_table_cell(cfg)
     _check_numbers(cfg)
     _check_strategy_fields(cfg.strategy)
+    every = cfg.report.get("progress_every_s")
+    if every is not None and not every > 0:  # 0 would print lines without pause
+        raise ConfigError("report.progress_every_s", f"must be a positive number of seconds, got {every}",
+                          "set e.g. report.progress_every_s=30, or null for no progress lines")
+    if not str(cfg.wandb.project).strip():
+        raise ConfigError("wandb.project", "is empty", "name the W&B project, e.g. wandb.project=ftbench")
+    if cfg.train.data_path is not None and cfg.train.data != "text":
+        raise ConfigError("train.data_path", f"train.data={cfg.train.data} reads no file, so it would be ignored",
+                          "add train.data=text to train on the file, or drop train.data_path")
     backend = str(cfg.backend.name)
     if backend != "sim" and cfg.backend.get("memoize", True) is not True:
         raise ConfigError("backend.memoize", f"only backend=sim reads it, and backend={backend} would ignore it",

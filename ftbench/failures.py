@@ -78,9 +78,13 @@ def take_until(events: Iterable[FailureEvent], horizon_s: float) -> list[Failure
     return taken
 
 
-# Settings that only one kind of script reads.
-OWNED_SETTINGS = {"events": "scripted", "at": "scripted", "every": "interval", "mtbf_hours": "poisson",
-                  "repair_hours": "poisson", "job_mtbf_hours": "poisson", "path": "trace"}
+# Settings that only some kinds of script read (seed: those that draw at random), and the value
+# that means "not set".
+OWNED_SETTINGS = {"events": ("scripted",), "at": ("scripted",), "every": ("interval",), "mtbf_hours": ("poisson",),
+                  "repair_hours": ("poisson",), "job_mtbf_hours": ("poisson",), "path": ("trace",),
+                  "count": ("interval", "poisson", "trace"), "seed": ("interval", "poisson"),
+                  "end_at_last_event": ("trace",)}
+UNSET = {"end_at_last_event": True}  # its default (FailuresConfig); None or [] for the others
 
 
 def build_failure_script(cfg, num_nodes: int, seed: int, iterations: int | None = None,
@@ -129,11 +133,12 @@ def _build(cfg, num_nodes: int, seed: int) -> FailureScript:
         raise ConfigError("failures", f"unknown kind '{kind}'",
                           f"pick one of {', '.join(KINDS)}, e.g. failures=poisson")
     events = list(_get(cfg, "events") or [])
-    for field, owner in OWNED_SETTINGS.items():
-        if _get(cfg, field) not in (None, []) and kind != owner:
+    for field, owners in OWNED_SETTINGS.items():
+        value = _get(cfg, field)
+        if value not in (None, [], UNSET.get(field)) and kind not in owners:
             # e.g. `failures.every=6h` alone would otherwise silently run without failures
             raise ConfigError(f"failures.{field}", f"it is set but failures is '{kind}', which ignores it",
-                              f"add failures={owner} to use it, or drop it")
+                              f"add failures={' or failures='.join(owners)} to use it, or drop it")
     count = _get(cfg, "count")
     if count is not None and count < 0:
         raise ConfigError("failures.count", f"{count} is negative",

@@ -481,3 +481,21 @@ def test_a_value_of_the_wrong_type_says_why(tmp_path, monkeypatch, capsys):
     error = cli_error(tmp_path, monkeypatch, capsys, "backend=sim", "train.iterations=1.5")
     assert error.startswith("Invalid setting `train.iterations`: Value '1.5'"), error
     assert "takes an integer" in error
+
+
+@pytest.mark.parametrize("overrides,setting,words", [
+    (("failures=scripted", "failures.events=[{iteration:1,node:1}]", "failures.count=5"), "failures.count",
+     ["failures is 'scripted', which ignores it", "failures=interval or failures=poisson or failures=trace"]),
+    (("failures=scripted", "failures.events=[{iteration:1,node:1}]", "failures.seed=3"), "failures.seed",
+     ["which ignores it"]),
+    (("failures=interval", "failures.every=1h", "failures.end_at_last_event=false"), "failures.end_at_last_event",
+     ["failures=trace"]),
+    (("report.progress_every_s=0",), "report.progress_every_s", ["positive"]),
+    (("report.progress_every_s=-5",), "report.progress_every_s", ["positive"]),
+    (("wandb.project=",), "wandb.project", ["empty"]),
+    (("train.data_path=corpus.txt",), "train.data_path", ["train.data=synthetic reads no file", "train.data=text"]),
+])
+def test_settings_nothing_reads(tmp_path, overrides, setting, words):
+    """Found trying more bad input: each was accepted and ignored (progress_every_s=0 printed
+    progress lines without pause)."""
+    assert_config_error(run(tmp_path, *SIM, *overrides), setting, *words)
