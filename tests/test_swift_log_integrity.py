@@ -94,14 +94,22 @@ def test_a_damaged_log_restarts_from_the_checkpoint_and_trains_the_fault_free_mo
     """Damaged logs after the replay's checkpoint leave no replay: the job restarts from the
     newest checkpoint that verifies (4), says why, and redoes iterations 4 and 5."""
     _damaging(monkeypatch, DAMAGES[damage])
-    s = run(tmp_path, *LOCAL, *SWIFT, "train.iterations=12", AT_6, "report.check_fault_free=true")
+    s = run(tmp_path, *LOCAL, *SWIFT, "train.iterations=12", AT_6)
     assert s["status"] == "ok", s["error"]
     (recovery,) = s["recoveries"]
     assert recovery["actions"] == RESTARTED
     assert FOUND[damage] in recovery["fallback"] and "restarting the job" in recovery["fallback"]
     assert (recovery["restored_iteration"], recovery["lost_iterations"]) == (4, 2)
-    assert s["matches_fault_free"] is True
     _matches(s, fault_free)
+
+
+def test_the_runs_own_equivalence_check_passes_after_a_log_of_another_iteration(tmp_path, monkeypatch):
+    """The case that used to pass silently (status ok, the run's own check false): with
+    report.check_fault_free the run itself now finds fault-free training."""
+    _damaging(monkeypatch, DAMAGES["wrong iteration"])
+    s = run(tmp_path, *LOCAL, *SWIFT, "train.iterations=8", AT_6, "report.check_fault_free=true")
+    assert s["status"] == "ok", s["error"]
+    assert s["recoveries"][0]["actions"] == RESTARTED and s["matches_fault_free"] is True
 
 
 def test_the_run_loops_recovery_line_names_the_fallback(tmp_path, monkeypatch):
