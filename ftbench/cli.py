@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from ftbench.config import check_table_cell, register_configs
+from ftbench.config import check_resolves, check_table_cell, register_configs
 from ftbench.errors import ConfigError
 from ftbench.paths import CONF_DIR
 from ftbench.run import AVAILABLE_BACKENDS, execute
@@ -194,7 +194,7 @@ def main() -> None:
         from ftbench.config_errors import explain_composition_error
 
         try:
-            check_table_cell(compose(default_job_rule(overrides)))
+            check_before_run(compose(default_job_rule(overrides)))
         except Exception as err:  # noqa: BLE001 - Hydra raises several kinds for a bad command line
             sys.exit(explain_composition_error(err, overrides, CONF_DIR))
     sys.argv[1:] = [*flags, *default_job_rule(overrides)]
@@ -219,7 +219,7 @@ def _hydra_main(cfg) -> None:
     group = Path(hc.sweep.dir).name if multirun else None
     overrides = list(hc.overrides.task)
     try:  # before anything reads the cell's settings: a missing cell fails inside OmegaConf
-        check_table_cell(cfg)
+        check_before_run(cfg)
     except ConfigError as err:
         _refuse(err, Path(hc.runtime.output_dir), cfg, overrides, multirun)
         return
@@ -238,6 +238,13 @@ def _hydra_main(cfg) -> None:
         print(f"\n{message}\nRun folder: {hc.runtime.output_dir}", file=sys.stderr)
         if not multirun:
             sys.exit(EXIT_CODES.get(status, 1))
+
+
+def check_before_run(cfg) -> None:
+    """What must hold before a run reads its settings: a paper table's cell is one the table has,
+    and every interpolation resolves (both fail deep inside OmegaConf otherwise)."""
+    check_table_cell(cfg)
+    check_resolves(cfg)
 
 
 def _refuse(err: ConfigError, run_dir: Path, cfg, overrides: list[str], multirun: bool) -> None:

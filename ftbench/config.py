@@ -417,6 +417,23 @@ def table_experiments() -> list[str]:
                   if re.search(r"^table:[ \t]*\n(([ \t]+.*)?\n)*?[ \t]+columns:", p.read_text(encoding="utf-8"), flags=re.MULTILINE))
 
 
+def check_resolves(cfg) -> None:
+    """Every interpolation resolves to a value its setting takes: one reading a paper table's
+    entry of the wrong type (`cluster.pp: ${cell:models,pp}`) would otherwise fail inside
+    OmegaConf on first use, with a traceback."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        if isinstance(err.__cause__, ConfigError):  # one of ours, raised by a resolver (_cell)
+            raise err.__cause__ from None
+        key = getattr(err, "full_key", None) or "the config"
+        raise ConfigError(key, f"its value does not resolve: {str(err).splitlines()[0]}",
+                          f"correct what {key} reads (an interpolation, e.g. a paper table's cell), or set "
+                          f"{key} directly") from None
+
+
 def check_table_cell(cfg) -> None:
     """A paper table's cell is one the table has: its settings are looked up by table.column and
     model (`${cell:...}`), which would otherwise fail deep inside OmegaConf, on first use. Outside
@@ -436,3 +453,6 @@ def check_table_cell(cfg) -> None:
         if keys and str(value) not in keys:
             raise ConfigError(setting, f"'{value}' is not in table '{table.name}' ({section}: {', '.join(keys)})",
                               f"choose one of {', '.join(keys)}")
+    if table.column is not None and not table.get("columns"):
+        raise ConfigError("table.column", f"table '{table.name}' has no columns, so nothing reads it",
+                          "drop table.column")

@@ -499,3 +499,16 @@ def test_settings_nothing_reads(tmp_path, overrides, setting, words):
     """Found trying more bad input: each was accepted and ignored (progress_every_s=0 printed
     progress lines without pause)."""
     assert_config_error(run(tmp_path, *SIM, *overrides), setting, *words)
+
+
+def test_a_table_entry_of_the_wrong_type(tmp_path, monkeypatch, capsys):
+    """An interpolation that does not resolve (a cell read into cluster.pp) was a traceback."""
+    error = cli_error(tmp_path, monkeypatch, capsys, "+experiment=recycle-table", "model=gpt3-medium",
+                      "table.models.gpt3-medium.pp=abc")
+    assert error.startswith("Invalid setting `cluster.pp`:"), error
+    assert "Value 'abc'" in error and "${cell:models,pp}" in error
+
+
+def test_a_table_without_columns(tmp_path):
+    s = run(tmp_path, *SIM, "+experiment=swift-eval", "table.column=x", "train.iterations=2")
+    assert_config_error(s, "table.column", "has no columns")
