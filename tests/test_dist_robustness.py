@@ -117,14 +117,15 @@ def test_a_replay_whose_standby_dies_uses_the_next_live_standby(tmp_path):
                                "strategy.every=2", "cluster.spares=2", "failures.events=[{iteration:3,node:1}]",
                                "backend.kill=2:3:recovery", "backend.timeout_s=30", "report.gantt=false",
                                "report.progress=false", f"hydra.run.dir={tmp_path}")
-    assert out.returncode == 0 and summary["status"] == "ok", (summary.get("error"), out.stderr[-2000:])
+    logs = {p.parts[-5]: p.read_text() for p in (tmp_path / "dist" / "logs").rglob("stderr.log")}
+    assert out.returncode == 0 and summary["status"] == "ok", (out.returncode, summary.get("error"), out.stderr[-2000:],
+                                                              {node: log[-1500:] for node, log in logs.items()})
     assert summary["matches_fault_free"] is True and summary["iterations"] == 5
     first, second = summary["recoveries"]
     assert first["interrupted_by_nodes"] == [1] and "ReplayLogs" in first["actions"]
     assert "ReplayLogs" in second["actions"] and second["iteration"] == 3
     assert [r["node"] for r in lines if r["event"] == "fail"] == [1, 1] and summary["failures"] == 2
     assert [m["dead_ranks"] for m in summary["measured_recoveries"]] == [[1], [2]]
-    logs = {p.parts[-5]: p.read_text() for p in (tmp_path / "dist" / "logs").rglob("stderr.log")}
     assert "the replay of workers [1] is skipped: their ranks [2] died in this recovery" in logs["node3"]
 
 
