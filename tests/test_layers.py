@@ -10,7 +10,7 @@ from ftbench.context import RunContext
 from ftbench.costs import PlanCosts
 from ftbench.engine.local import LocalEngine
 from ftbench.engine.reference import train_single_process
-from ftbench.equivalence import compare
+from ftbench.equivalence import compare, noise_floor
 from ftbench.layers import fragment_layout, stage_layout, stage_units, unit_of
 from ftbench.plan import Plan, holds_from_schedule
 from ftbench.schedule import OPT, Op, Schedule, dependency_graph, gpipe, one_f_one_b, validate, zb_h1
@@ -65,17 +65,21 @@ def test_a_regular_grid_has_one_fragment_per_stage():
 
 
 def test_heterogeneous_pipelines_train_the_single_process_model(tmp_path):
+    """In float32, the dtype users train in: pipelines of 2, 3 and 4 stages sum gradients in
+    another order than one process does, which the check allows to its measured noise floor
+    (single-process float32 training against the same in float64, ftbench/equivalence.py)."""
     cfg = _ctx()
     ctx = RunContext.from_config(cfg)
     assert ctx.global_batch == sum(MICROBATCHES) * ctx.microbatch_size
     data = make_source("synthetic", ctx.spec, ctx.seq_len, ctx.seed)
-    engine = LocalEngine(ctx, data, cfg.train.lr, 0.0, store=None, dtype="float64")
+    engine = LocalEngine(ctx, data, cfg.train.lr, 0.0, store=None, dtype="float32")
     engine.build(heterogeneous_plan())
     iterations = 3
     losses = [engine.run_iteration(i).loss for i in range(iterations)]
-    ref_losses, ref_state = train_single_process(ctx.spec, ctx.seed, data, iterations, ctx.global_batch,
-                                                 ctx.microbatch_size, cfg.train.lr, dtype=torch.float64)
-    assert compare(losses, engine.final_state(), ref_losses, ref_state) is None
+    ref32, ref64 = (train_single_process(ctx.spec, ctx.seed, data, iterations, ctx.global_batch,
+                                         ctx.microbatch_size, cfg.train.lr, dtype=dtype)
+                    for dtype in (torch.float32, torch.float64))
+    assert compare(losses, engine.final_state(), *ref32, noise_floor(*ref32, *ref64)) is None
     # Replicas are keyed by layers: pipeline 2's stage 1 worker holds blocks 2-3 only.
     assert list(engine.workers[6].replicas) == [(2, 4)]
 
