@@ -640,7 +640,7 @@ def noting_pid(pids: str, entrypoint, *args):
 class _Deadline:
     """`launch`'s deadline, kept by a thread of its own that sends no signal to the caller:
     past `deadline` seconds it marks the job expired and SIGKILLs every rank process that
-    noted its id in `pids` (again each second, for a rank that starts late), until the caller's
+    noted its id in `pids` (again every 0.2 s, for a rank that starts late), until the caller's
     `finish`. The elastic agent then finds its processes dead and returns a failure, whatever
     the caller's thread was doing (issue 36: an interrupt_main signal raised inside logging's
     lock release was swallowed, and a job past its deadline read as a success)."""
@@ -673,7 +673,7 @@ class _Deadline:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-            if self._done.wait(1.0):
+            if self._done.wait(0.2):
                 return
 
     def finish(self) -> bool:
