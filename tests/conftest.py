@@ -69,3 +69,17 @@ def seeded_failures(tag: str, nodes: int, count: int, draw_at: bool = False) -> 
     points = [f",at:{math.floor(rng.random() * 1e4) / 1e4}" for _ in range(count)] if draw_at else [""] * count
     return "failures.events=[" + ",".join(f"{{iteration:{i},node:{n}{at}}}"
                                           for i, n, at in zip(iterations, failed, points)) + "]"
+
+
+@pytest.fixture
+def dist_store():
+    """A torch.distributed TCPStore on a free local port (under a prefix), as a job's store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ftbench.distributed.launch import free_port
+
+    server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=5))
+    yield dist.PrefixStore("test/", server)

@@ -69,6 +69,14 @@ def processes_with(marker: str) -> list[str]:
     return found
 
 
+def assert_none_left(marker: str, within_s: float = 10.0) -> None:
+    """No process whose environment holds `marker` is alive `within_s` seconds from now."""
+    deadline = time.monotonic() + within_s
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with(marker) == [], "processes left behind"
+
+
 def _assert_equal_training(summary: dict, reference: dict) -> None:
     import torch
 
@@ -182,43 +190,32 @@ def test_stall_points():
     assert parse_stall("0:3:0") is None and parse_stall("0:3") is None and parse_stall("a:3:1") is None
 
 
-@pytest.fixture
-def store():
-    from datetime import timedelta
-
-    from ftbench.distributed.launch import free_port
-
-    server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=5))
-    yield dist.PrefixStore("test/", server)
-
-
-def test_the_first_dead_set_posted_is_the_epochs_verdict(store):
+def test_the_first_dead_set_posted_is_the_epochs_verdict(dist_store):
     """Two groups of survivors that each saw the other silent (a stall, not a death): the
     first to post decides; a rank it names is fenced, and any other view is refused."""
     from ftbench.distributed.membership import Fenced, MembershipError, agree
 
-    assert agree(store, 1, 0, [0], {1, 4, 5}, 2.0) >= 0  # rank 0 first: 1, 4 and 5 are dead
+    assert agree(dist_store, 1, 0, [0], {1, 4, 5}, 2.0) >= 0  # rank 0 first: 1, 4 and 5 are dead
     with pytest.raises(Fenced, match=r"rank 1 is dead in the verdict of membership epoch 1 \(\[1, 4, 5\]\)"):
-        agree(store, 1, 1, [1, 4, 5], {0}, 2.0)
+        agree(dist_store, 1, 1, [1, 4, 5], {0}, 2.0)
     with pytest.raises(MembershipError, match=r"the verdict is \[1, 4, 5\], rank 2 saw \[4\]"):
-        agree(store, 1, 2, [0, 2], {4}, 2.0)
-    assert agree(store, 2, 1, [1], {0}, 2.0) >= 0  # the next epoch has its own verdict
+        agree(dist_store, 1, 2, [0, 2], {4}, 2.0)
+    assert agree(dist_store, 2, 1, [1], {0}, 2.0) >= 0  # the next epoch has its own verdict
 
 
-def test_agreement_waits_for_every_survivors_view(store):
+def test_agreement_waits_for_every_survivors_view(dist_store):
     from ftbench.distributed.membership import MembershipError, agree
 
     with pytest.raises(MembershipError, match=r"ranks \[2\] posted no view of membership epoch 1"):
-        agree(store, 1, 0, [0, 2], {1}, 0.5)
+        agree(dist_store, 1, 0, [0, 2], {1}, 0.5)
 
 
-def test_a_rank_that_stops_with_an_error_says_so(store):
+def test_a_rank_that_stops_with_an_error_says_so(dist_store):
     from ftbench.distributed.membership import aborted, post_abort
 
-    post_abort(store, 3, "DistTimeout: rank 3 waited more than 6 s")
-    assert aborted(store, [1, 2, 3]) == {3: "DistTimeout: rank 3 waited more than 6 s"}
-    assert aborted(store, [1, 2]) == {}
+    post_abort(dist_store, 3, "DistTimeout: rank 3 waited more than 6 s")
+    assert aborted(dist_store, [1, 2, 3]) == {3: "DistTimeout: rank 3 waited more than 6 s"}
+    assert aborted(dist_store, [1, 2]) == {}
 
 
 def _silent_peer(timeout_s: float, error_dir: str) -> None:

@@ -9,13 +9,12 @@ import os
 import random
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
 from conftest import ROOT
-from test_dist import processes_with
+from test_dist import assert_none_left
 
 dist = pytest.importorskip("torch.distributed")
 pytestmark = [pytest.mark.dist,
@@ -38,10 +37,7 @@ def run_dist(tmp_path, *overrides, setup=SETUP) -> tuple[dict, list[dict]]:
                          timeout=300)
     summary = json.loads((tmp_path / "summary.json").read_text())
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    deadline = time.monotonic() + 10
-    while processes_with(f"FTBENCH_TEST_MARKER={marker}") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(f"FTBENCH_TEST_MARKER={marker}") == [], "processes left behind"
+    assert_none_left(f"FTBENCH_TEST_MARKER={marker}")
     assert summary["status"] == "ok", (summary.get("error"), out.stdout[-2000:], out.stderr[-2000:])
     return summary, lines
 
@@ -232,10 +228,7 @@ def test_an_unannounced_death_stops_the_run_when_asked(tmp_path):
     assert summary["status"] == "died" and out.returncode == 5, (summary, out.stderr[-2000:])
     assert "ranks [1] (nodes [1]) died in iteration 1" in summary["error"]
     assert "backend.unannounced=stop" in summary["error"]
-    deadline = time.monotonic() + 10
-    while processes_with(f"FTBENCH_TEST_MARKER={marker}") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(f"FTBENCH_TEST_MARKER={marker}") == [], "processes left behind"
+    assert_none_left(f"FTBENCH_TEST_MARKER={marker}")
 
 
 @pytest.mark.parametrize("strategy", ["checkpoint", "varuna"])
@@ -281,7 +274,4 @@ def test_a_straggler_past_the_deadline_stops_every_rank_with_its_error(tmp_path)
     logs = "".join(p.read_text() for p in (tmp_path / "dist" / "logs").rglob("stderr.log"))
     assert "rank 0: pauses 14 s (backend.stall)" in logs
     assert "rank 0: stops the job: DistAbort" in logs and "stopped the job" in logs
-    deadline = time.monotonic() + 10
-    while processes_with(f"FTBENCH_TEST_MARKER={marker}") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(f"FTBENCH_TEST_MARKER={marker}") == [], "processes left behind"
+    assert_none_left(f"FTBENCH_TEST_MARKER={marker}")

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from conftest import ROOT
-from test_dist import leftover_descendants, processes_with
+from test_dist import assert_none_left, leftover_descendants
 
 dist = pytest.importorskip("torch.distributed")
 pytestmark = [pytest.mark.dist,
@@ -33,10 +33,7 @@ def _cli(tmp_path, *overrides, prelude: str = "") -> tuple[subprocess.CompletedP
                          timeout=300)
     summary = json.loads((tmp_path / "summary.json").read_text())
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    deadline = time.monotonic() + 10
-    while processes_with(f"FTBENCH_TEST_MARKER={marker}") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(f"FTBENCH_TEST_MARKER={marker}") == [], "processes left behind"
+    assert_none_left(f"FTBENCH_TEST_MARKER={marker}")
     return out, summary, lines
 
 
@@ -65,18 +62,7 @@ def test_a_gloo_timeout_reports_the_time_it_really_waited():
     assert "waited more than 60 s (backend.timeout_s) to receive x (after 60.2 s)" in str(late)
 
 
-@pytest.fixture
-def store():
-    from datetime import timedelta
-
-    from ftbench.distributed.launch import free_port
-
-    server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=5))
-    yield dist.PrefixStore("test/", server)
-
-
-def test_after_a_failed_wait_with_nobody_dead_detection_ends_in_seconds(store):
+def test_after_a_failed_wait_with_nobody_dead_detection_ends_in_seconds(dist_store):
     """Every process still beats after a wait failed: the wait's error stands after QUIET_S,
     not after a whole backend.timeout_s (60 s here) more (issue 36)."""
     from ftbench.distributed.membership import QUIET_S, MembershipError, detect
@@ -86,21 +72,21 @@ def test_after_a_failed_wait_with_nobody_dead_detection_ends_in_seconds(store):
     def beat() -> None:
         while not stop.wait(0.05):
             for r in (0, 1, 2):
-                store.add(f"hb/{r}", 1)
+                dist_store.add(f"hb/{r}", 1)
 
     beating = threading.Thread(target=beat, daemon=True)
     beating.start()
     started = time.monotonic()
     try:
         with pytest.raises(MembershipError, match="kept beating"):
-            detect(store, [0, 1, 2], 60.0, quiet_s=QUIET_S)
+            detect(dist_store, [0, 1, 2], 60.0, quiet_s=QUIET_S)
         elapsed = time.monotonic() - started
         assert QUIET_S <= elapsed < QUIET_S + 5, elapsed
         # one that did stop (frozen, as a SIGSTOPped process's beat) is still found dead
         started = time.monotonic()
         stop.set()
         beating.join()
-        dead, _ = detect(store, [0, 1, 2], 60.0, quiet_s=QUIET_S)
+        dead, _ = detect(dist_store, [0, 1, 2], 60.0, quiet_s=QUIET_S)
         assert dead == {0, 1, 2} and time.monotonic() - started < QUIET_S + 5
     finally:
         stop.set()

@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from conftest import ROOT
-from test_dist import processes_with
+from test_dist import assert_none_left
 
 dist = pytest.importorskip("torch.distributed")
 pytestmark = [pytest.mark.dist,
@@ -69,10 +69,7 @@ def test_torchrun_nodes_survive_the_death_of_node_0(tmp_path):
     restored = lines[events.index("recovery")]["restored_iteration"]
     after = lines[events.index("recovery"):]
     assert [r["iteration"] for r in after if r["event"] == "iteration"] == list(range(restored, 6))
-    deadline = time.monotonic() + 10
-    while processes_with(f"FTBENCH_TEST_MARKER={marker}") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(f"FTBENCH_TEST_MARKER={marker}") == [], "processes left behind"
+    assert_none_left(f"FTBENCH_TEST_MARKER={marker}")
 
 
 def _wait_for_port(port: int, coordinator, within_s: float = 60) -> None:

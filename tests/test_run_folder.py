@@ -35,21 +35,14 @@ def _value(form: str, tmp_path, run_dir) -> str:
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_a_swift_log_dir_outside_the_run_folder_is_refused(tmp_path, form):
+@pytest.mark.parametrize("setting,setup", [("strategy.log_dir", SWIFT), ("strategy.plan_cache", RECYCLE)],
+                         ids=["swift-log-dir", "recycle-plan-cache"])
+def test_a_path_setting_outside_the_run_folder_is_refused(tmp_path, form, setting, setup):
     victim = _victim(tmp_path)
     run_dir = tmp_path / "run"
-    summary = run(run_dir, *SWIFT, f"strategy.log_dir={_value(form, tmp_path, run_dir)}")
-    assert summary["status"] == "error" and "`strategy.log_dir`" in summary["error"], summary["error"]
+    summary = run(run_dir, *setup, f"{setting}={_value(form, tmp_path, run_dir)}")
+    assert summary["status"] == "error" and f"`{setting}`" in summary["error"], summary["error"]
     assert (victim / "precious.txt").read_text() == "not the run's"
-    assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
-
-
-@pytest.mark.parametrize("form", FORMS)
-def test_a_plan_cache_outside_the_run_folder_is_refused(tmp_path, form):
-    victim = _victim(tmp_path)
-    run_dir = tmp_path / "run"
-    summary = run(run_dir, *RECYCLE, f"strategy.plan_cache={_value(form, tmp_path, run_dir)}")
-    assert summary["status"] == "error" and "`strategy.plan_cache`" in summary["error"], summary["error"]
     assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
 
 
