@@ -152,7 +152,8 @@ def test_a_crash_keeps_metrics_and_summary(tmp_path, monkeypatch, crash):
     with pytest.raises(type(crash)):
         run_module.execute(compose(*MEDIUM, "report.progress=false"), tmp_path, echo=lambda *_: None)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "error" and summary["error"]
+    interrupted = isinstance(crash, KeyboardInterrupt)
+    assert summary["status"] == ("interrupted" if interrupted else "error") and summary["error"]
     assert read_metrics(tmp_path / "metrics.jsonl")[-1]["event"] == "error"
     assert (tmp_path / "error.txt").exists() == isinstance(crash, RuntimeError)
 

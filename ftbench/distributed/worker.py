@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
 import json
 import logging
 import os
@@ -178,12 +179,17 @@ def train(job: dict, log=None) -> dict | None:
     from ftbench.context import RunContext
 
     cfg = job["cfg"]
+    # A rank that has not joined the first group by 3/4 of the deadline writes every thread's
+    # stack into its log (a rare hang of a rank forked from a long-lived process, not explained
+    # yet): the next occurrence says where.
+    faulthandler.dump_traceback_later(0.75 * float(cfg.backend.timeout_s), exit=False)
     ctx = RunContext.from_config(cfg)
     ctx.run_dir = Path(job["run_dir"])  # path settings resolve inside it (ftbench.folders)
     threads = setup_threads(cfg.backend.get("threads"), ctx.spec)  # before any torch work
     import torch.distributed as dist
 
     rank, world, device, pg_backend = init_process_group(float(cfg.backend.timeout_s))
+    faulthandler.cancel_dump_traceback_later()
     leader_log = _LeaderLog(rank, log, job.get("metrics"))
     heartbeat = alarm = None
     from ftbench.distributed.launch import heartbeats
