@@ -83,3 +83,14 @@ def dist_store():
     server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=5))
     yield dist.PrefixStore("test/", server)
+
+
+@pytest.fixture
+def spawned_ranks(monkeypatch):
+    """A dist job launched from this long-lived test process starts its ranks by spawn (as on
+    GPUs), not fork: a rank forked from it after other launches has, rarely, hung before
+    joining its first group (not explained yet; see docs/distributed.md). The CLI's runs fork
+    from a fresh process, as users' do."""
+    from ftbench.distributed import worker
+
+    monkeypatch.setattr(worker, "start_method", lambda: "spawn")

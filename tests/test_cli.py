@@ -198,7 +198,7 @@ def test_ctrl_c_during_the_fault_free_check_keeps_the_runs_summary(tmp_path, mon
 
 
 @pytest.mark.dist
-def test_ctrl_c_during_a_dist_runs_fault_free_check_keeps_the_runs_summary(tmp_path, monkeypatch):
+def test_ctrl_c_during_a_dist_runs_fault_free_check_keeps_the_runs_summary(tmp_path, monkeypatch, spawned_ranks):
     """The same on dist, whose results come from the ranks, not from a run loop here."""
     import ftbench.distributed.launch as launch
     import ftbench.run as run_module

@@ -117,7 +117,7 @@ def test_dist_cli_1f1b_equals_local_and_leaves_no_process(tmp_path):
     assert time.monotonic() - started < 120
 
 
-def test_dist_zero_bubble_equals_local(tmp_path):
+def test_dist_zero_bubble_equals_local(tmp_path, spawned_ranks):
     """Decoupled B/W (zb-h1), launched from this process through the same entry as the CLI."""
     summary = run(tmp_path / "dist", "backend=dist", *SETUP, "schedule=zb-h1")
     assert summary["status"] == "ok", summary["error"]
