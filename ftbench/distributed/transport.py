@@ -614,13 +614,20 @@ def _drop(holder: list) -> None:
 
 def _waited(work, seconds: float) -> bool:
     """Whether `work` completed within `seconds` (its own error raised if it failed). A gloo
-    collective can be waited for again after such a wait runs out."""
+    collective can be waited for again after such a wait runs out.
+
+    A look that runs out raises "Operation timed out!" and the work may complete right after,
+    before `is_completed()` is asked: that error is the look's, not the collective's, so a
+    completed work is waited for once more (at once: it is done), which returns if the
+    collective succeeded and raises its own error if it failed. Re-raising the look's error
+    failed a joining rank's first loss sum as "gloo reported a timeout after 0.5 s" (issue 36:
+    rank 6 of test_oobleck's join, the second look of a rank waiting for its peers' recovery)."""
     try:
         return work.wait(timeout=datetime.timedelta(seconds=seconds)) is not False
     except Exception:
-        if work.is_completed():
-            raise  # the collective failed: its error, not this look's running out
-        return False
+        if not work.is_completed():
+            return False  # this look ran out: the caller looks again
+    return work.wait() is not False  # completed meanwhile, or failed: its own outcome
 
 
 def _members(plan, sync) -> tuple[int, ...]:
