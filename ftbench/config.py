@@ -152,8 +152,6 @@ class ReCycleConfig(CheckpointConfig):
     milp_time_limit_s: float = 30.0  # CBC time limit per plan; the best plan found by then is used
     plan_cache: Optional[str] = "plan-cache"  # folder of cached plans inside the sweep folder (a single run: the run folder); null: memory only
     fallback: str = "none"  # none (no re-routing possible, or none fits in memory, ends the run) | checkpoint (restart from checkpoints)
-    fault_free: str = "planned"  # plan with no failure: planned (the level's own plan of the fault-free grid: its
-    # failure plans' reference) | schedule (the configured train schedule, as `none` runs it: parity with `none`)
 
 
 @dataclass

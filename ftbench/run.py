@@ -88,7 +88,7 @@ def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, met
              cache_dir: Path | None = None, echo=_echo) -> None:
     sink, config_error = None, False
     try:
-        table_strategy_settings(cfg)
+        table_strategy_settings(cfg, summary["overrides"], echo)
         calibration = calibrate(cfg, cache_dir)  # before the sink records the config: the fitted efficiency
         if calibration is not None:
             summary["calibration"] = calibration
@@ -161,19 +161,26 @@ def _base_summary(cfg, overrides: list[str] | None = None, swept: list[str] | No
             **({"table": {"name": cfg.table.name, "column": cfg.table.column}} if cfg.table.name else {})}
 
 
-def table_strategy_settings(cfg) -> None:
+def table_strategy_settings(cfg, overrides=(), echo=None) -> None:
     """A paper table's settings for this cell's system (`table.strategies.<name>`, e.g. Varuna's
     measured save time), merged into `strategy`: a table sets each system's own fields without
-    making them settings of the others."""
+    making them settings of the others. A field given on the command line (`strategy.X=` in
+    `overrides`, the task overrides) wins over the table's, and `echo` says so."""
     own = (cfg.table.get("strategies") or {}).get(str(cfg.strategy.name)) if cfg.table.name else None
     if own:
         from omegaconf import OmegaConf
 
+        given = {str(o).lstrip("+~").split("=", 1)[0] for o in overrides}
         for key, value in own.items():
             if key not in cfg.strategy:
                 raise ConfigError(f"table.strategies.{cfg.strategy.name}.{key}",
                                   f"strategy '{cfg.strategy.name}' has no setting '{key}'",
                                   f"use one of {', '.join(map(str, cfg.strategy.keys()))}")
+            if f"strategy.{key}" in given:
+                if echo is not None:
+                    echo(f"ftbench: strategy.{key} from the command line wins over "
+                         f"table.strategies.{cfg.strategy.name}.{key}")
+                continue
             OmegaConf.update(cfg, f"strategy.{key}", value, merge=True)
 
 

@@ -275,6 +275,9 @@ class Schedule:
     stages: tuple[int, ...]
     microbatches: tuple[int, ...]
     name: str = ""
+    # Release times (ftbench.release.Releases, ReCycle's adapted plans): no op starts before
+    # released.of(worker, op); None for every other schedule.
+    released: object = field(default=None, repr=False)
     _index: dict[Op, int] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -303,6 +306,11 @@ class Schedule:
         """Hashable identity, for memoising simulations of the same plan. A lazily held grid
         (GridOps) is keyed by its templates and (worker, template, pipeline) records, packed
         into bytes: exact and small, without building its ops."""
+        if self.released is not None:
+            return ("released", self.released.key(), self._ops_key())
+        return self._ops_key()
+
+    def _ops_key(self) -> tuple:
         ops = self.ops
         parts = ops.parts() if isinstance(ops, GridOps) else None
         if parts is not None:  # bound templates: per part its flows, and (worker, template) records

@@ -8,20 +8,15 @@ exactly the same model. The extra work is absorbed by the pipeline's bubbles, he
     is deferred into bubbles, off the critical path of the re-routed micro-batches;
   - the staggered optimizer: each stage steps as soon as its own gradients are reduced, with
     no barrier across stages, so the next iteration's warm-up overlaps this one's cool-down.
-Schedules for every normalised failure configuration up to `plan_ahead` failed nodes are
-planned before training (MILP for small instances, list-scheduling heuristic for large ones;
-ftbench.planning) and cached on disk; a failure only switches to a stored plan.
-
-With no failure the job runs the level's own plan of the fault-free grid (`fault_free:
-planned`, the default): the same planner, priority rules, memory caps and mechanisms as
-the failure plans, on the problem without failed workers. That plan is the reference the
-failure plans are compared with: a failed worker only adds re-routed work, so its plan is
-no faster (tests/test_recycle_reference.py, on the ablation's grids). The one exception
-found is a failure that shrinks a stage's data-parallel group: its ring all-reduce then
-moves less, and nothing with one replica left. `fault_free: schedule` runs the configured
-`train` schedule (1F1B unless set) instead, exactly as `none` does, for parity with the
-baseline; a plan with decoupled B/W and a failed worker is then faster than the fault-free
-run.
+With no failure ReCycle runs the configured schedule (`schedule=`, 1F1B unless set) exactly as
+`none` does. An adapted plan adds work to that schedule, it does not replace it: each
+surviving worker keeps its own micro-batches' F and B (or fused BW) in their fault-free order,
+none starting before its fault-free start, and steps no earlier than the fault-free step; the
+re-routed micro-batches and the deferred W passes fill its bubbles (release times,
+ftbench.release). So a failure never makes an iteration shorter than fault-free. Plans for every
+normalised failure configuration up to `plan_ahead` failed nodes are made before training (MILP
+for small instances, list-scheduling heuristic for large ones; ftbench.planning) and cached on
+disk; a failure only switches to a stored plan.
 
 Plans respect the GPU's memory: each worker's stash and W-deferral caps follow from the cost
 model's memory (weights, gradients and Adam state, stashed activations, recomputation), so
@@ -45,21 +40,23 @@ import dataclasses
 
 from ftbench.actions import FILE, Rendezvous, SyncFromPeers
 from ftbench.cluster import Cluster
+from ftbench.costs import PlanCosts
 from ftbench.errors import ConfigError
 from ftbench.folders import inside, relative_setting
 from ftbench.failures import FailureEvent
 from ftbench.placement import grid_nodes
 from ftbench.plan import Plan, grid_replicas
+from ftbench.release import releases_of
 from ftbench.planning.library import METHODS, PlanLibrary, forms_up_to
 from ftbench.planning.problem import PlanningError, normalise, problem_for
 from ftbench.schedule import NO_MICROBATCH, OPT, GridOps, Op, PartFlows, Schedule, grid_worker
+from ftbench.sim.simulator import simulate
 from ftbench.transfers import peer_copies
 from ftbench.strategies.base import Recovery
 from ftbench.strategies.checkpoint import CheckpointRestart
 
 LEVELS = ("reroute", "decoupled", "staggered")
 FALLBACKS = ("none", "checkpoint")
-FAULT_FREE = ("schedule", "planned")
 
 
 class ReCycle(CheckpointRestart):
@@ -75,9 +72,6 @@ class ReCycle(CheckpointRestart):
         if cfg.fallback not in FALLBACKS:
             raise ConfigError("strategy.fallback", f"unknown fallback '{cfg.fallback}'",
                               f"choose one of {', '.join(FALLBACKS)}")
-        if cfg.fault_free not in FAULT_FREE:
-            raise ConfigError("strategy.fault_free", f"unknown fault-free plan '{cfg.fault_free}'",
-                              f"choose one of {', '.join(FAULT_FREE)}")
         if cfg.plan_cache is not None:
             relative_setting("strategy.plan_cache", cfg.plan_cache)  # a folder inside the run (or sweep) folder
         if cfg.plan_ahead < 0:
@@ -107,35 +101,34 @@ class ReCycle(CheckpointRestart):
     # -- plans --------------------------------------------------------------------------
     def plan(self, cluster: Cluster) -> Plan:
         self.cluster = cluster
+        self.fault_free = self.ctx.grid_plan(cluster.pp, cluster.dp, cluster.gpus_per_node, node_of=cluster.node_of)
+        # The original schedule's slots, from its fault-free timeline under the run's costs.
+        timeline = simulate(self.fault_free.schedule, PlanCosts(self.ctx.cost_model, self.fault_free))
+        self.releases = releases_of(timeline, cluster.pp)
         base = problem_for(self.ctx, cluster.pp, cluster.dp, cluster.gpus_per_node,
-                           decoupled=self.level != "reroute", placement=cluster.placement)
+                           decoupled=self.level != "reroute", placement=cluster.placement, released=self.releases)
         self.library = PlanLibrary(base, self.planner, self.cfg.milp_time_limit_s, self._plan_cache())
         forms = forms_up_to(self.cfg.plan_ahead, cluster.pp, cluster.dp, cluster.gpus_per_node, cluster.placement)
-        if self.cfg.fault_free == "schedule":
-            forms = forms[1:]  # the fault-free grid runs the configured schedule
+        forms = forms[1:]  # the fault-free grid runs the configured schedule
         self.library.precompute(forms)
         self.planned_ahead = len(forms)
-        try:
-            self.current = self._plan_for(cluster)
-        except PlanningError as error:
-            raise ConfigError("strategy.fault_free", f"the planned fault-free plan does not fit: {error}",
-                              "use strategy.fault_free=schedule, a GPU with more memory, or more stages") from None
+        self.current = self._plan_for(cluster)
         return self.current
 
     def _plan_for(self, cluster: Cluster) -> Plan:
         """The plan of the current failure set: the configured schedule's grid when nothing is
-        down (fault_free: schedule), else the stored plan of the set's normal form, renamed
-        onto the real pipelines. Raises PlanningError when no plan fits in memory."""
-        if not self.failed and self.cfg.fault_free == "schedule":
-            grid = self.ctx.grid_plan(cluster.pp, cluster.dp, cluster.gpus_per_node, node_of=cluster.node_of)
-            return dataclasses.replace(grid, name=f"recycle (fault-free, {grid.schedule.name})")
+        down, else the stored plan of the set's normal form, renamed onto the real pipelines,
+        with the fault-free slots as release times. Raises PlanningError when no plan fits in
+        memory."""
+        if not self.failed:
+            return dataclasses.replace(self.fault_free, name=f"recycle (fault-free, {self.fault_free.schedule.name})")
         pp, dp = cluster.pp, cluster.dp
         form, order = normalise(self.failed, dp, pp)
         stored = self.library.get(form)
         ops = _grid_ops(stored, order, pp) if stored.shaped is not None else _listed_ops(stored, order, pp)
         schedule = Schedule(ops, stages=(pp,) * dp, microbatches=(self.ctx.microbatches,) * dp,
-                            name=f"recycle-{self.level}")
-        label = "fault-free" if not self.failed else f"{len(self.failed)} re-routed"
+                            name=f"recycle-{self.level}", released=self.releases)
+        label = f"{len(self.failed)} re-routed"
         replicas = grid_replicas(pp, dp)  # every survivor keeps (and steps) its own stage replica
         nodes = grid_nodes(*cluster.layout, cluster.gpus_per_node, cluster.placement)  # cluster.node_of, per worker
         return Plan(schedule=schedule, partition=(self.ctx.cost_model.balanced_partition(pp),) * dp,

@@ -44,7 +44,7 @@ def test_rerouted_training_matches_fault_free(tmp_path, script):
     assert all(r["lost_iterations"] == 0 for r in s["recoveries"])  # only the iteration in flight is redone
     if script == "failure then rejoin":
         assert s["recoveries"][-1]["actions"] == ["Rendezvous", "SyncFromPeers"]
-        assert s["recoveries"][-1]["plan"] == "recycle-staggered (fault-free)"  # back on the level's fault-free plan
+        assert s["recoveries"][-1]["plan"] == "recycle (fault-free, 1f1b)"  # back on the configured schedule
 
 
 @pytest.mark.parametrize("level", ["reroute", "decoupled"])

@@ -183,3 +183,16 @@ def test_a_paper_table_with_oom_cells_is_logged_to_wandb(tmp_path, monkeypatch):
     (logged,) = tmp_path.glob("wandb/offline-run-*/files/media/table/paper_table_*.table.json")
     table = json.loads(logged.read_text())
     assert "OOM" in [row[table["columns"].index("paper_status")] for row in table["data"]]
+
+
+def test_a_command_line_strategy_setting_wins_over_the_tables():
+    """`strategy.min_nodes=2` given with the table's Oobleck cell is kept (the table's
+    `${cluster.pp}` is not merged over it), and the run says which one won."""
+    from ftbench.run import table_strategy_settings
+
+    given = ["+experiment=recycle-table", "model=gpt3-6.7b", "strategy=oobleck", "strategy.min_nodes=2"]
+    cfg = compose(given)
+    said = []
+    table_strategy_settings(cfg, given, said.append)
+    assert cfg.strategy.min_nodes == 2
+    assert said == ["ftbench: strategy.min_nodes from the command line wins over table.strategies.oobleck.min_nodes"]

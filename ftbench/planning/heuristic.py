@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict, deque
+from typing import NamedTuple
 
 from ftbench.planning.parts import copy_orders, split
 from ftbench.planning.problem import PlanningError, PlanningProblem, Position
@@ -26,8 +27,21 @@ from ftbench.schedule import B, BW, F, W, Op
 
 # Lower runs first. "backward-first" is 1F1B's rule; "forward-first" fills the pipeline
 # before any backward, when the stash cap allows (GPipe-like warm-up, then 1F1B).
-RULES = {"backward-first": {B: 0, BW: 0, F: 1, W: 2},
-         "forward-first": {F: 0, B: 1, BW: 1, W: 2}}
+BACKWARD_FIRST = {B: 0, BW: 0, F: 1, W: 2}
+FORWARD_FIRST = {F: 0, B: 1, BW: 1, W: 2}
+
+
+class Rule(NamedTuple):
+    priority: dict[str, int]  # among ops that can start alike, by kind
+    # Bubbles only: with an original schedule (releases), work not of the worker's own chain
+    # runs only where it ends before the own chain's next op could start, or while that op's
+    # start is unknown (its inputs are still on the way and its release has passed).
+    fit: bool = False
+
+
+RULES = {"bubbles": Rule(BACKWARD_FIRST, fit=True),
+         "backward-first": Rule(BACKWARD_FIRST),
+         "forward-first": Rule(FORWARD_FIRST)}
 
 
 def list_schedule(problem: PlanningProblem, rules=tuple(RULES)) -> dict[Position, list[Op]]:
@@ -46,19 +60,21 @@ def list_schedule_shaped(problem: PlanningProblem, rules=tuple(RULES)) -> tuple[
     (ftbench.planning.parts; copy_shaped gives every worker's)."""
     best, best_time = None, float("inf")
     for rule in rules:
+        if RULES[rule].fit and problem.released is None:
+            continue  # no original schedule: the same as backward-first
         shaped, time = _schedule_shapes(problem, RULES[rule])
         if time < best_time - 1e-12:
             best, best_time = shaped, time
     return best, best_time
 
 
-def schedule_once(problem: PlanningProblem, priority: dict[str, int]) -> tuple[dict[Position, list[Op]], float]:
+def schedule_once(problem: PlanningProblem, rule: Rule) -> tuple[dict[Position, list[Op]], float]:
     """One list-scheduling pass: (orders, iteration time under the simulator's rules)."""
-    shaped, time = _schedule_shapes(problem, priority)
+    shaped, time = _schedule_shapes(problem, rule)
     return copy_shaped(shaped), time
 
 
-def _schedule_shapes(problem: PlanningProblem, priority: dict[str, int]):
+def _schedule_shapes(problem: PlanningProblem, rule: Rule):
     """Each shape of independent part (ftbench.planning.parts) scheduled once: ([(shape,
     its orders, its parts)], the iteration time of the whole problem)."""
     shortfall = problem.memory_shortfall()
@@ -68,7 +84,7 @@ def _schedule_shapes(problem: PlanningProblem, priority: dict[str, int]):
     last_grad: dict[int, float] = defaultdict(float)
     latest: dict[int, float] = defaultdict(float)  # per stage, its workers' last op end
     for shape, parts in split(problem):
-        shape_orders, shape_grad, shape_free = _schedule_shape(problem, shape, priority)
+        shape_orders, shape_grad, shape_free = _schedule_shape(problem, shape, rule)
         for s, t in shape_grad.items():
             last_grad[s] = max(last_grad[s], t)
         for (_, s), t in shape_free.items():  # every part of the shape ends alike
@@ -77,14 +93,16 @@ def _schedule_shapes(problem: PlanningProblem, priority: dict[str, int]):
     return shaped, _iteration_time(problem, last_grad, latest)
 
 
-def _schedule_shape(problem: PlanningProblem, shape, priority: dict[str, int]):
+def _schedule_shape(problem: PlanningProblem, shape, rule: Rule):
     """_schedule_part of a shape, remembered across problems of one grid: a shape's key holds
     its flows, transfer times and caps, and with the grid's op times that decides its schedule
     (after each failure of a large grid most parts keep shapes already planned)."""
-    key = (problem.stages, problem.decoupled, problem.pp, tuple(sorted(priority.items())), shape.part.key)
+    released = None if problem.released is None else problem.released.key()
+    key = (problem.stages, problem.decoupled, problem.pp, tuple(sorted(rule.priority.items())), rule.fit, released,
+           shape.part.key)
     found = _SHAPE_PLANS.get(key)
     if found is None:
-        found = _schedule_part(shape, priority)
+        found = _schedule_part(shape, rule)
         _SHAPE_PLANS[key] = found
         global _shape_ops_kept
         _shape_ops_kept += _ops_in(found)
@@ -114,29 +132,44 @@ def copy_shaped(shaped) -> dict[Position, list[Op]]:
     return orders
 
 
-def _schedule_part(problem, priority: dict[str, int]):
+def _schedule_part(problem, rule: Rule):
     """List-schedule one part: (orders, latest weight gradient per stage, when each worker is free).
 
     Ops are numbered and their inputs, durations and transfer times looked up once, so the
     event loop touches only lists (a part of a large grid with one GPU per node has a hundred
-    thousand ops)."""
+    thousand ops). With an original schedule (problem.released) a worker's own F and B/BW are
+    one chain in their fault-free order, none ready before its release."""
     workers = problem.workers
     index = {pos: i for i, pos in enumerate(workers)}
     ops: list[Op] = []
     runner: list[int] = []
     chains: list[list[deque]] = []  # per worker: (kind, owner pipeline) chains in micro-batch order
+    own: list[deque | None] = []  # per worker: its own chain (also in `chains`), or None
     for w, pos in enumerate(workers):
         heads = defaultdict(deque)
+        mine = problem.own_chain(pos)
+        members = set(mine or ())
+        if mine:
+            heads["own"] = deque()
+            for op in mine:
+                heads["own"].append(len(ops))
+                ops.append(op)
+                runner.append(w)
         for op in sorted(problem.ops_of(pos), key=lambda o: o.microbatch):
+            if op in members:
+                continue
             heads[(op.kind, op.pipeline)].append(len(ops))
             ops.append(op)
             runner.append(w)
         chains.append(list(heads.values()))
+        own.append(heads["own"] if mine else None)
     number = {op: i for i, op in enumerate(ops)}
     durations = {}
     duration = [durations.get(op[:2]) or durations.setdefault(op[:2], problem.duration(op)) for op in ops]
     kind_of = [op.kind for op in ops]
+    priority = rule.priority
     rank = [priority[k] for k in kind_of]
+    release = [problem.release_of(workers[runner[i]], op) for i, op in enumerate(ops)]
     inputs: list[list[tuple[int, float]]] = []  # per op, (input op, transfer time to this op's worker)
     dependents: list[list[int]] = [[] for _ in ops]
     transfer: dict[tuple[int, int], float] = {}
@@ -152,7 +185,7 @@ def _schedule_part(problem, priority: dict[str, int]):
             dependents[j].append(i)
         inputs.append(mine)
     waiting = [len(x) for x in inputs]
-    ready_at: list[float | None] = [0.0 if n == 0 else None for n in waiting]
+    ready_at: list[float | None] = [(release[i] or 0.0) if n == 0 else None for i, n in enumerate(waiting)]
     end = [0.0] * len(ops)
     n = len(workers)
     free = [0.0] * n
@@ -163,12 +196,22 @@ def _schedule_part(problem, priority: dict[str, int]):
     orders: list[list[Op]] = [[] for _ in workers]
     version = [0] * n
     heap = []
+    fit = rule.fit
 
     def push(w):
         """Enter the op this worker would run next (start, rank, arrival, micro-batch, pipeline)."""
         version[w] += 1
         best, chosen = None, None
         at, full, held = free[w], stash[w] >= cap[w], deferred[w] >= defer[w]
+        bound = None  # bubbles only: other work must end by then
+        mine = own[w]
+        if fit and mine:
+            i = mine[0]
+            blocked = (full and kind_of[i] == F) or (held and kind_of[i] == B)
+            if ready_at[i] is not None and not blocked:
+                bound = at if at > ready_at[i] else ready_at[i]
+            elif not blocked and release[i] is not None and release[i] > at:
+                bound = release[i]  # on its way: at least its release leaves room
         for chain in chains[w]:
             if not chain:
                 continue
@@ -179,8 +222,11 @@ def _schedule_part(problem, priority: dict[str, int]):
             kind = kind_of[i]
             if (full and kind == F) or (held and kind == B):
                 continue
+            start = at if at > ready else ready
+            if bound is not None and chain is not mine and start + duration[i] > bound + 1e-12:
+                continue  # does not fit in the bubble before the own chain's next op
             op = ops[i]
-            key = (at if at > ready else ready, rank[i], ready, op.microbatch, op.pipeline)
+            key = (start, rank[i], ready, op.microbatch, op.pipeline)
             if best is None or key < best:
                 best, chosen = key, chain
         if best is not None:
@@ -210,7 +256,7 @@ def _schedule_part(problem, priority: dict[str, int]):
         for child in dependents[i]:
             waiting[child] -= 1
             if waiting[child] == 0:
-                ready_at[child] = max([end[j] + t for j, t in inputs[child]])
+                ready_at[child] = max([end[j] + t for j, t in inputs[child]] + [release[child] or 0.0])
                 touched.add(workers[runner[child]])
         for pos in touched:
             push(index[pos])
@@ -235,5 +281,5 @@ def _iteration_time(problem: PlanningProblem, last_grad: dict[int, float], lates
     time = 0.0
     for s in latest:
         sync = last_grad[s] + problem.sync_s(s)
-        time = max(time, max(latest[s], sync) + problem.stages[s].optimizer_s)
+        time = max(time, max(latest[s], sync, problem.step_release(s)) + problem.stages[s].optimizer_s)
     return time

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import pulp
 
 from ftbench.planning.heuristic import RULES, schedule_once
-from ftbench.planning.problem import PlanningProblem, Position, evaluate, stash_peaks
+from ftbench.planning.problem import PlanningError, PlanningProblem, Position, evaluate, stash_peaks
 from ftbench.schedule import B, BW, F, W, Op, ScheduleError
 
 _RANK = {F: 0, B: 1, BW: 1, W: 2}  # the order of one micro-batch's ops on its worker
@@ -125,6 +125,13 @@ class _Model:
         self.back = B if problem.decoupled else BW
         self.by_worker = {pos: sorted(problem.ops_of(pos), key=lambda o: (o.microbatch, _RANK[o.kind], o.pipeline))
                           for pos in problem.workers}
+        # Release times (the original schedule, ftbench.release): each worker's own F and B/BW
+        # in their fault-free order, none before its slot; a step no earlier than the stage's.
+        self.release = {op: (problem.release_of(self.where[op], op) or 0.0) / self.unit for op in ops}
+        self.own_index = {}  # own-chain op -> its place in the worker's fault-free order
+        for pos in problem.workers:
+            self.own_index.update((op, i) for i, op in enumerate(problem.own_chain(pos) or ()))
+        self.step_release = [problem.step_release(s) / self.unit for s in range(problem.pp)]
         self.edges = self._edges(ops)
         self._fixed = set()  # (a, b): a before b, beyond the rules
         for _ in range(3):  # fixings sharpen heads and tails, which may fix more pairs
@@ -147,6 +154,9 @@ class _Model:
             for dep in p.dependencies(op):
                 edges.append((dep, op, self.dur[dep] + p.transfer_s(self.where[dep], self.where[op]) / self.unit))
         self.index = {}  # op -> its place in its (kind, pipeline) chain on its worker
+        for pos in self.by_worker:
+            mine = p.own_chain(pos) or []
+            edges += [(a, b, self.dur[a]) for a, b in zip(mine, mine[1:])]
         for pos, wops in self.by_worker.items():
             chains = defaultdict(list)
             for op in wops:
@@ -182,13 +192,16 @@ class _Model:
                 indeg[b] -= 1
                 if indeg[b] == 0:
                     ready.append(b)
-        assert len(self.topo) == len(ops), "dependency cycle"
+        if len(self.topo) != len(ops):  # e.g. a stash cap below what the fault-free order holds
+            raise PlanningError("the fixed orders and memory caps leave no schedule (a dependency cycle)")
         self.rank = {op: i for i, op in enumerate(self.topo)}
 
     def before(self, a: Op, b: Op) -> bool:
         """a precedes b on their worker in every schedule considered (the fixed orders)."""
         if a.kind == b.kind == W and a.pipeline != b.pipeline:
             return self.before(a._replace(kind=B), b._replace(kind=B))
+        if a in self.own_index and b in self.own_index:  # the worker's own chain: fault-free order
+            return self.own_index[a] < self.own_index[b]
         if (a, b) in self._fixed:
             return True
         if a.pipeline != b.pipeline:
@@ -217,7 +230,7 @@ class _Model:
             succs[a].append((b, lag))
         self.head = {}
         for op in self.topo:
-            h = max([0.0] + [self.head[a] + lag for a, lag in preds[op]])
+            h = max([self.release[op]] + [self.head[a] + lag for a, lag in preds[op]])
             t = 0.0
             for a in sorted(self._earlier(op), key=self.head.get):
                 t = max(t, self.head[a]) + self.dur[a]
@@ -230,7 +243,8 @@ class _Model:
             for b in sorted(self._later(op), key=self.tail.get):  # the same bound, time reversed
                 t = max(t, self.tail[b]) + self.dur[b]
             self.tail[op] = max(tl, t)
-        self.lower_bound = max(self.head[o] + self.dur[o] + self.tail[o] for o in self.topo)
+        self.lower_bound = max([self.head[o] + self.dur[o] + self.tail[o] for o in self.topo]
+                               + [r + self.p.stages[s].optimizer_s / self.unit for s, r in enumerate(self.step_release)])
         for pos, wops in self.by_worker.items():  # a worker runs everything it has, from its first head
             t = 0.0
             for release, d in sorted(self._releases(pos, wops)):
@@ -322,6 +336,8 @@ class _Model:
         for s in range(p.pp):
             # E_ds >= G_s + AR + opt (with overlap: F_s = G_s + c_s, see the module docstring)
             m += self.C >= self.G[s] + (p.sync_s(s) + p.stages[s].optimizer_s) / self.unit
+            if self.step_release[s] > 0:  # no step before the stage's fault-free one
+                m += self.C >= self.step_release[s] + p.stages[s].optimizer_s / self.unit
         self.binaries = len(self.x)
         self.constraints = m.numConstraints()
 
@@ -457,8 +473,13 @@ def _round_down(text: str) -> float:
 
 def _obeys(problem: PlanningProblem, orders: dict[Position, list[Op]], sim=None) -> bool:
     """Whether `orders` lies in the MILP's space: each (kind, pipeline) in micro-batch order on
-    every worker, and the stash and deferral caps kept."""
+    every worker, its own chain (releases) in fault-free order, and the stash and deferral caps kept."""
     for pos, order in orders.items():
+        mine = problem.own_chain(pos)
+        if mine is not None:
+            members = set(mine)
+            if [op for op in order if op in members] != mine:
+                return False
         last = {}
         for op in order:
             if last.get((op.kind, op.pipeline), -1) > op.microbatch:

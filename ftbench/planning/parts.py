@@ -64,6 +64,17 @@ class PartProblem:
     def stash_cap(self, pos: Position) -> int:
         return self.parent.stash_cap(self._real[pos])
 
+    # A worker's own pipeline is local pipeline pos[0], with its micro-batches unrenamed (a
+    # surviving worker runs all of them: local j is real j), so releases read as they are.
+    def release_of(self, pos: Position, op: Op):
+        return self.parent.release_of(pos, op)
+
+    def own_chain(self, pos: Position):
+        return self.parent.own_chain(pos)
+
+    def step_release(self, stage: int) -> float:
+        return self.parent.step_release(stage)
+
     def defer_cap(self, pos: Position) -> int:
         return self.parent.defer_cap(self._real[pos])
 

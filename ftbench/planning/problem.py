@@ -26,13 +26,14 @@ from functools import cached_property
 
 from ftbench.layers import stage_units
 from ftbench.placement import node_of
+from ftbench.release import Releases
 from ftbench.schedule import B, BW, F, NO_MICROBATCH, OPT, W, Op, Schedule, grid_worker
 from ftbench.sim.simulator import overlapped_sync_s
 
 Position = tuple[int, int]  # (pipeline, stage) on the grid
 
 # Bump when the planners' output for the same problem changes: cached plans then recompute.
-PLANNER_VERSION = 2
+PLANNER_VERSION = 3
 
 
 class PlanningError(RuntimeError):
@@ -73,6 +74,10 @@ class PlanningProblem:
     placement: str = "pipeline"  # ftbench.placement: which node holds each position
     memory_bytes: float = math.inf  # one GPU's memory: the stash caps follow from it
     overlap_grad_reduce: bool = False  # train.overlap_grad_reduce: all-reduce in buckets during the last backward
+    # The original schedule's slots (ftbench.release): each worker's own F and B/BW in their
+    # fault-free order and no earlier than there, its step no earlier than the fault-free
+    # step; None: every op free (no original schedule to keep).
+    released: Releases | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "failed", frozenset(tuple(p) for p in self.failed))
@@ -250,6 +255,23 @@ class PlanningProblem:
             return [Op(B, s, k, d)]
         raise ValueError(f"no dependencies for {op}")
 
+    def release_of(self, pos: Position, op: Op) -> float | None:
+        """The earliest start of `op` on worker `pos` (None: no release)."""
+        return None if self.released is None else self.released.of_position(pos[0], op)
+
+    def own_chain(self, pos: Position) -> list[Op] | None:
+        """The worker's own F and B/BW ops in their fault-free order (None without releases:
+        then its own ops are free like any other)."""
+        if self.released is None:
+            return None
+        d, s = pos
+        return [Op(kind, s, k, d) for kind, k in self.released.own_order(s, self.decoupled)]
+
+    def step_release(self, stage: int) -> float:
+        """The earliest start of a stage's optimizer step (0.0 without releases)."""
+        found = self.release_of((0, stage), Op(OPT, stage, NO_MICROBATCH, 0))
+        return 0.0 if found is None else found
+
     def runner_of(self, op: Op) -> Position:
         return (self.assignment[(op.pipeline, op.stage, op.microbatch)], op.stage)
 
@@ -259,7 +281,8 @@ class PlanningProblem:
         ops = {}
         for (d, s), order in orders.items():
             ops[grid_worker(d, s, self.pp)] = list(order) + [Op(OPT, s, NO_MICROBATCH, d)]
-        return Schedule(ops, stages=(self.pp,) * self.dp, microbatches=(self.microbatches,) * self.dp, name=name)
+        return Schedule(ops, stages=(self.pp,) * self.dp, microbatches=(self.microbatches,) * self.dp, name=name,
+                        released=self.released)
 
     # -- identity -----------------------------------------------------------------------
     def key(self) -> str:
@@ -272,6 +295,10 @@ class PlanningProblem:
             for stage in data["stages"]:
                 del stage["units"]
         data["failed"] = sorted(self.failed)
+        if data["released"] is None:
+            del data["released"]  # keys from before release times stay valid
+        else:
+            data["released"] = self.released.key()
         data["version"] = PLANNER_VERSION
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -413,7 +440,7 @@ def stage_times(cost_model, partition, dp: int) -> tuple[StageTimes, ...]:
 
 
 def problem_for(ctx, pp: int, dp: int, gpus_per_node: int, failed=frozenset(), decoupled: bool = True,
-                placement: str = "pipeline") -> PlanningProblem:
+                placement: str = "pipeline", released: Releases | None = None) -> PlanningProblem:
     """The planning problem of a run's grid (ftbench.context.RunContext) under `failed`, with
     the GPU's memory from the hardware profile and the cost model's all-reduce overlap."""
     model = ctx.cost_model
@@ -422,4 +449,4 @@ def problem_for(ctx, pp: int, dp: int, gpus_per_node: int, failed=frozenset(), d
                            decoupled=decoupled, intra_node_s=model.boundary_s(True),
                            inter_node_s=model.boundary_s(False), gpus_per_node=gpus_per_node, placement=placement,
                            memory_bytes=model.memory_bytes,
-                           overlap_grad_reduce=getattr(model, "overlap_grad_reduce", False))
+                           overlap_grad_reduce=getattr(model, "overlap_grad_reduce", False), released=released)

@@ -88,7 +88,7 @@ class _GridShape:
     def of(cls, plan: Plan) -> "_GridShape | None":
         grid, schedule = plan.grid(), plan.schedule
         ops = schedule.ops
-        if grid is None or plan.staggered_optimizer or not isinstance(ops, GridOps):
+        if grid is None or plan.staggered_optimizer or schedule.released is not None or not isinstance(ops, GridOps):
             return None
         pp, workers, dp = grid.pp, grid.workers, len(schedule.stages)
         # GridOps.regular: pipeline d is the d-th run of pp workers, its templates set by its count

@@ -123,7 +123,7 @@ class PipelinesTimer:
         """What simulate(plan.schedule, PlanCosts(cost_model, plan)) gives (the op rows built
         when read), or None for a plan that pipelines_plan did not build."""
         layout = plan.pipelines()
-        if layout is None or plan.staggered_optimizer or not layout.workers:
+        if layout is None or plan.staggered_optimizer or plan.schedule.released is not None or not layout.workers:
             return None
         last = self._last
         earlier = last[0]() if last is not None else None

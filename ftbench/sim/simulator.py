@@ -17,6 +17,10 @@ that knows the plan's layers also has `partition` and sync_time(sync, workers): 
 all-reduce is cut into layer fragments (ftbench.layers) and each is charged by its own bytes
 and members; without them, stage s of same-length pipelines is one all-reduce.
 
+Release times: a schedule with `released` (ftbench.release.Releases: ReCycle's adapted plans)
+starts no op before released.of(worker, op); with a staggered optimizer, round r's releases
+come r fault-free periods later.
+
 Gradient all-reduce overlap: `costs.overlap_grad_reduce` (absent: false; the cost model sets
 it from `train.overlap_grad_reduce`, after Megatron-LM's --overlap-grad-reduce). Off, a
 fragment's all-reduce starts when its last input (the last W or fused BW of that fragment,
@@ -388,7 +392,8 @@ class Simulation:
     def result(self, staggered: bool = False) -> SimResult:
         schedule, replicas = self.schedule, self.replicas
         worker_free = defaultdict(float)
-        rounds = [self.graph.one_round(worker_free) for _ in range(STAGGER_ROUNDS if staggered else 1)]
+        period = schedule.released.period if schedule.released is not None else 0.0
+        rounds = [self.graph.one_round(worker_free, r * period) for r in range(STAGGER_ROUNDS if staggered else 1)]
         if not staggered and self._first_end is None:
             self._first_end = self.graph.last_end  # a lone iteration: what iteration_time re-times
         ops_out, ar_out = rounds[-1]
@@ -514,6 +519,9 @@ class _Graph:
         # ops that receive a stage's state (a costs object without it charges a plain hop)
         state_transfer = getattr(costs, "state_transfer_time", lambda src, dst, op: transfer(src, dst))
         self.n, self.steps = len(nodes), []
+        released = schedule.released
+        # node index -> its release time (ops only; None when the schedule has none)
+        self.release: dict[int, float] | None = None if released is None else {}
         # train.overlap_grad_reduce: per sync node, (buckets, [(input op seconds, the inputs
         # of that length)]), the inputs grouped by length (max_j(end_j + c) = max_j(end_j) + c
         # exactly: rounding is monotone, so the groups give the same floats as input by input)
@@ -541,6 +549,10 @@ class _Graph:
                            for j in preds[i]]
                 t = op_time(node)
                 self.steps.append((i, node, w, t, ins, None))
+                if released is not None:
+                    at = released.of(w, node)
+                    if at is not None:
+                        self.release[i] = at
                 if self.overlap is not None:
                     seconds_of[i] = t
         self.preds, self.chains = preds, chains
@@ -592,6 +604,8 @@ class _Graph:
                     finish = start + a
             else:
                 start = 0.0 if p is None else end[p]  # the worker is free when its previous op ends
+                if self.release is not None:
+                    start = max(start, self.release.get(i, 0.0))
                 for j, delay in ins:
                     arrival = end[j] if delay is None else end[j] + delay
                     if arrival > start:
@@ -602,13 +616,14 @@ class _Graph:
                 latest = finish
         return 0.0 if latest is None else latest
 
-    def one_round(self, worker_free) -> tuple[list, list]:
+    def one_round(self, worker_free, shift: float = 0.0) -> tuple[list, list]:
         """Time one iteration; `worker_free` carries over between rounds. Any order that
         respects dependencies and worker orders gives the same times: an op starts when its
-        worker is free and its inputs have arrived."""
+        worker is free, its inputs have arrived and (release times) `shift` after its release."""
         end = [0.0] * self.n
         ops_out, ar_out = [], []
         overlap = self.overlap
+        release = self.release or {}
         for i, node, w, seconds, ins, members in self.steps:
             if w is None:  # a gradient sync: starts when its last input is ready
                 if overlap is None:
@@ -620,6 +635,8 @@ class _Graph:
                 ar_out.append((node, members, start, finish))
             else:
                 start = worker_free[w]
+                if i in release and release[i] + shift > start:
+                    start = release[i] + shift
                 for j, delay in ins:
                     arrival = end[j] if delay is None else end[j] + delay
                     if arrival > start:
