@@ -5,7 +5,6 @@ import pytest
 
 from conftest import compose, run
 from ftbench.context import RunContext
-from ftbench.errors import ConfigError
 from ftbench.planning.heuristic import list_schedule_timed
 from ftbench.planning.milp import solve
 from ftbench.planning.parts import split
@@ -94,27 +93,21 @@ def test_paper_scale_grids_run_to_the_end_without_oom(tmp_path, model):
 
 
 def test_fault_free_schedule_is_the_configured_schedule(tmp_path):
-    """Parity with `none` holds for strategy.fault_free=schedule; by default ReCycle runs the level's
-    own fault-free plan (tests/test_recycle_reference.py), not the configured schedule."""
+    """With no failure ReCycle runs the configured schedule exactly as `none` does, 1F1B or ZB-H1."""
     base = ("backend=sim", "model=gpt3-medium", "cluster.dp=4", "train.iterations=5", "failures=none",
             "report.gantt=false")
-    none = run(tmp_path / "none", *base, "strategy=none")
     for schedule in ("1f1b", "zb-h1"):
-        recycle = run(tmp_path / schedule, *base, *RECYCLE, "strategy.fault_free=schedule", f"schedule={schedule}")
-        reference = none if schedule == "1f1b" else run(tmp_path / "zb", *base, "strategy=none", "schedule=zb-h1")
+        recycle = run(tmp_path / schedule, *base, *RECYCLE, f"schedule={schedule}")
+        reference = run(tmp_path / f"none-{schedule}", *base, "strategy=none", f"schedule={schedule}")
         assert recycle["iteration_time_s"] == reference["iteration_time_s"]
-    planned = run(tmp_path / "planned", *base, *RECYCLE)
-    assert planned["plan_segments"][0]["plan"] == "recycle-staggered (fault-free)"
-    assert planned["iteration_time_s"] < none["iteration_time_s"]
+        assert recycle["plan_segments"][0]["plan"] == f"recycle (fault-free, {schedule})"
 
 
 @pytest.mark.parametrize("fallback", ["none", "checkpoint"])
 def test_recycle_says_so_when_no_rerouting_fits(fallback):
     """With too little memory for any re-routed plan, a failure ends the run with the reason,
     or restarts from checkpoints with the fallback; never a plan that runs into `oom`. (The
-    default planned fault-free plan does not fit either: the run stops before it starts, with
-    the reason; the configured schedule, fault_free=schedule, is not planned, so the failure
-    is where it shows.)"""
+    fault-free run is the configured schedule, not planned, so the failure is where it shows.)"""
     from ftbench.cluster import Cluster
     from ftbench.failures import FailureEvent
     from ftbench.strategies import build_strategy
@@ -122,9 +115,6 @@ def test_recycle_says_so_when_no_rerouting_fits(fallback):
     overrides = ("backend=sim", "model=gpt3-medium", "hardware.memory_gb=1", *RECYCLE, "strategy.plan_ahead=0",
                  f"strategy.fallback={fallback}", *(("strategy.every=5",) if fallback == "checkpoint" else ()))
     cfg = compose(*overrides)
-    with pytest.raises(ConfigError, match="strategy.fault_free.*cannot hold one micro-batch"):
-        build_strategy(cfg.strategy, RunContext.from_config(cfg)).plan(Cluster.from_config(cfg.cluster))
-    cfg = compose(*overrides, "strategy.fault_free=schedule")
     ctx = RunContext.from_config(cfg)
     cluster = Cluster.from_config(cfg.cluster)
     strategy = build_strategy(cfg.strategy, ctx)
