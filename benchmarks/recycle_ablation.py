@@ -1,78 +1,109 @@
 """ReCycle ablation on the simulator: what each mechanism buys when workers fail.
 
-For each `strategy.level` of strategies/recycle.py
+The ReCycle talk (Gandhi et al., SOSP 2024; the authors' MLSys seminar) reports, on an example
+pipeline it does not publish, that re-routing a failed worker's micro-batches on 1F1B loses
+about 33 % of the fault-free throughput, decoupled backprop brings that to about 8 %, and the
+staggered optimizer removes most of the rest. This script measures the same three steps
+(`strategy.level` of strategies/recycle.py) as they are implemented:
 
   - reroute:   the failed worker's micro-batches go to its data-parallel peers at the same
                stage, on 1F1B with a fused backward (BW) and an optimizer barrier;
   - decoupled: + decoupled backprop (B and W split, W deferred into bubbles);
   - staggered: + staggered optimizer (no barrier between iterations: each stage steps when its
-               own all-reduce ends; the simulator times the steady-state period)
+               own all-reduce ends; the simulator times the steady-state period).
 
-the iteration time with failed workers is compared with two fault-free references:
+Every adapted plan adds work to the configured schedule (ftbench/release.py): each surviving
+worker runs its own F and B/BW in their fault-free order, none before its fault-free start,
+and steps no earlier than the fault-free step; re-routed micro-batches and deferred W fill the
+bubbles. With the staggered optimizer the slots repeat every fault-free period. So no plan is
+faster than fault-free, and the one reference is fault-free 1F1B: the configured schedule,
+which ReCycle runs with no failure exactly as `strategy=none` does (the script checks that
+each level's fault-free plan times the same).
 
-  (a) the configured schedule, 1F1B, with no failure: `strategy=none`'s plan, which ReCycle
-      runs fault-free with `strategy.fault_free=schedule`;
-  (b) the level's own planned fault-free plan (`strategy.fault_free=planned`, the default):
-      the planner's schedule of the fault-free grid with the level's mechanisms. This is the
-      reference a failure plan is measured against: the same technique without the failure.
-      Column (b) is a loss in every row of the full ablation (tests/test_recycle_reference.py
-      checks it on random failure sets). The one gain we found comes from a failure that
-      shrinks a stage's data-parallel group, whose ring all-reduce then moves less (nothing
-      with one replica left): pp 8 x dp 2, reroute, a stage-0 worker failed.
+Setup, fixed by a rule chosen before measuring (the talk's pipeline is not published):
+  - the models, grids and testbed of this project's ReCycle table, read from
+    conf/experiment/recycle-table.yaml (`table.models`: GPT-3 Medium and 3.35B at pp 4 with
+    8 micro-batches per pipeline, 6.7B at pp 8 with 16; micro-batch 1 x 2048 tokens; hardware
+    recycle-testbed, A100 80 GB with one 25 GB/s NIC per GPU; one GPU per node, so a failure
+    takes one worker);
+  - hardware.efficiency at the profile's 0.5, not the table's per-model fit, which matches the
+    paper's samples/s under a global batch that is our assumption (--efficiency to change it);
+  - the table's dp (4), and dp 2 and 8 beside it: a failure gives each surviving peer of the
+    failed stage 1/(dp - 1) more work (100 %, 33 %, 14 %), which is what the bubbles must
+    absorb, and the talk does not say what its example's was;
+  - failed workers (pipeline, stage): (0,1); then also (1,2), another stage in another
+    pipeline, so every stage keeps a replica even at dp 2.
+Every level runs the same setups and failure sets.
 
-As a baseline without re-routing, the failed workers' pipelines are dropped and the global
-batch is spread over the remaining pipelines (1F1B and ZB-H1). Every line processes the same
-global batch, so a throughput ratio is the inverse ratio of iteration times; changes are
-given as throughput changes in % (negative: a loss).
+Besides the levels: "drop" removes the failed workers' pipelines and spreads the global batch
+over the others, on the same 1F1B; "work bound" is max(fault-free time, the most any
+survivor must compute), with the failed stage's micro-batches spread as evenly as whole
+micro-batches go: no plan at any level can beat it (B + W costs what BW costs). Every line
+processes the same global batch, so throughput ratios are inverse iteration-time ratios;
+changes are throughput changes in % (negative: a loss). For each staggered plan the script
+names what sets its period: the fault-free period (release times), or the worker whose span
+is the period, its last op and the all-reduce its step waits for.
 
-Full ablation (the default, or --full): GPT-3 Medium on A100 40 GB at pp 4, GPT-3 3.35B on
-A100 80 GB at pp 4, GPT-3 6.7B on A100 80 GB at pp 8 (the harness benchmark's depth,
-conf/experiment/sim-6.7b-1024gpu.yaml; ReCycle's paper does not give its pp), 2 x pp
-micro-batches per pipeline, one GPU per node, at dp 2, 4 and 8, with one failed worker
-(pipeline 0, stage 1) and with two (pipeline 0 stage 1, then pipeline 1 stage 2: different
-stages in different pipelines, so every stage keeps a replica even at dp 2). For each
-staggered plan it names what limits staggering: the worker whose iteration span is the
-period, the op that ends last on it and the all-reduce its step (hence its next iteration)
-waits for. --quick runs dp 2 and 4 only. A side-by-side Gantt of the three levels for GPT-3
-Medium, dp 4, one failure goes to --out (shared time axis).
+    python benchmarks/recycle_ablation.py [--quick] [-v] [--overlap] [--efficiency E] [--out PNG]
+    python benchmarks/recycle_ablation.py --dp 4 [--model gpt3-medium] [--pp 4] [--microbatches 8]
+                                          [--hardware recycle-testbed] [--stages 1,2]
 
-Single setup (the old interface, used when any of --dp, --model, --hardware, --pp,
---microbatches, --stages is given): one failure at a time of worker (0, s) for each s in
---stages, with both references, and the Gantt of the first.
+--quick runs dp 2 and 4 only. -v adds every setup's full table. --overlap runs everything with
+train.overlap_grad_reduce=true (each layer's gradient all-reduce during the last micro-batch's
+backward, Megatron-LM's --overlap-grad-reduce) instead of after it (DeepSpeed, the paper's
+baseline; the default). The single-setup form (any of --dp, --model, --hardware, --pp,
+--microbatches, --stages) fails worker (0, s) for each s in --stages, one at a time. A Gantt of
+fault-free 1F1B and the three levels on one time axis (GPT-3 Medium, dp 4, one failure; the
+single setup: its first failure) goes to runs/recycle-ablation.png or --out.
 
-    python benchmarks/recycle_ablation.py [--full | --quick] [--overlap] [--out runs/recycle-ablation.png]
-    python benchmarks/recycle_ablation.py --dp 4 [--microbatches 8] [--model gpt3-medium]
-                                          [--hardware a100-40gb] [--pp 4] [--stages 1,2]
-
---overlap runs everything with train.overlap_grad_reduce=true: each layer fragment's gradient
-all-reduce runs in per-layer buckets during the last micro-batch's backward (Megatron-LM's
---overlap-grad-reduce) instead of after it (DeepSpeed, the paper's baseline, the default);
-references, plans and planners alike.
-
-Plans are computed on the spot (strategy.plan_cache=null, plan_ahead=0). A plan that does not
-fit in the GPU's memory, or a failure set that re-routing cannot absorb, prints as
-"oom/unrecoverable" with the reason. For reference, the ReCycle talk (SOSP 2024) reports that
-re-routing on plain 1F1B loses about 33 % of the fault-free throughput with one failure,
-decoupled backprop brings that to about 8 %, and the staggered optimizer removes most of the
-rest. The numbers printed here come out of the mechanisms as implemented (the planner's
-schedules timed by the cost model); nothing is tuned to reproduce the paper's.
+Plans are computed on the spot (strategy.plan_cache=null, plan_ahead=0). A plan whose peak
+memory exceeds the GPU prints as "oom", a failure set that ReCycle cannot re-route as
+"no plan", each with its reason below the table. Nothing here is tuned to the talk's numbers.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "conf" / "experiment" / "recycle-table.yaml"
+DPS = (2, 4, 8)
+QUICK_DPS = (2, 4)
+# Failed grid positions (pipeline, stage), failed in this order: one worker; then a second of
+# another stage in another pipeline (every stage keeps a replica, even at dp 2).
+FAILURE_SETS = {1: ((0, 1),), 2: ((0, 1), (1, 2))}
+GANTT_MODEL, GANTT_DP, GANTT_FAILURES = "gpt3-medium", 4, 1
+TALK = {"reroute": -33.0, "decoupled": -8.0}  # the talk's throughput changes, in %
+# measured wall time of the default run
+DURATION = "13-30 s on 2 shared cores (--quick: 9-20 s; one setup, e.g. --dp 4: 4-10 s)"
+REL = 1e-9  # float tolerance of "the same time" (sums of the same op lengths in another order)
+
+
+def _announce(argv) -> None:
+    """The first line, on stderr, before the heavy imports."""
+    if any(a in ("-h", "--help") for a in argv):
+        return
+    one = any(a.split("=")[0] in ("--dp", "--pp", "--microbatches", "--model", "--hardware", "--stages")
+              for a in argv)
+    what = "one setup" if one else "dp 2 and 4" if "--quick" in argv else "the full ablation"
+    print(f"recycle_ablation.py: ReCycle's levels on the simulator, {what}, progress on stderr; "
+          f"typically {DURATION}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    _announce(sys.argv[1:])
+
+sys.path.insert(0, str(ROOT))
 
 from ftbench.cli import compose  # noqa: E402
 from ftbench.cluster import Cluster  # noqa: E402
 from ftbench.context import RunContext  # noqa: E402
 from ftbench.costs import PlanCosts  # noqa: E402
-from ftbench.errors import ConfigError  # noqa: E402
 from ftbench.failures import FailureEvent  # noqa: E402
 from ftbench.report import plot_gantt_panels  # noqa: E402
 from ftbench.schedule import BW, OPT, W, grid_worker  # noqa: E402
@@ -85,36 +116,34 @@ MECHANISM = {
     "decoupled": "re-routing + decoupled B/W (W into bubbles)",
     "staggered": "re-routing + decoupled B/W + staggered optimizer",
 }
-NAMES = {"gpt3-medium": "GPT-3 Medium", "gpt3-3.35b": "GPT-3 3.35B", "gpt3-6.7b": "GPT-3 6.7B"}
 
 
 @dataclass(frozen=True)
 class Setup:
     model: str
-    hardware: str
+    label: str
     pp: int
     microbatches: int  # per pipeline
+    hardware: str = "recycle-testbed"
+    table_dp: int | None = None  # the table's dp for this model (None: not a table setup)
     overlap: bool = False  # train.overlap_grad_reduce (--overlap)
+    efficiency: float | None = None  # hardware.efficiency (None: the profile's)
 
 
-SETUPS = (Setup("gpt3-medium", "a100-40gb", 4, 8),
-          Setup("gpt3-3.35b", "a100-80gb", 4, 8),
-          Setup("gpt3-6.7b", "a100-80gb", 8, 16))
-DPS = (2, 4, 8)
-QUICK_DPS = (2, 4)
-# Failed grid positions (pipeline, stage), failed in this order: one worker; then a second of
-# another stage in another pipeline (every stage keeps a replica, even at dp 2).
-FAILURE_SETS = {1: ((0, 1),), 2: ((0, 1), (1, 2))}
-GANTT_SETUP, GANTT_DP, GANTT_FAILURES = SETUPS[0], 4, 1
-# measured wall time of the default run
-DURATION = "15-65 s on 2 shared cores (--quick: 10-40 s; one setup, e.g. --dp 4: about 10 s)"
+def table_setups() -> tuple[Setup, ...]:
+    """The ReCycle table's models and grids (conf/experiment/recycle-table.yaml, table.models)."""
+    from omegaconf import OmegaConf
+
+    models = OmegaConf.load(TABLE).table.models
+    return tuple(Setup(name, str(m.label), int(m.pp), int(m.microbatches), table_dp=int(m.dp))
+                 for name, m in models.items())
 
 
 # -- running the strategies ------------------------------------------------------------------
 
 @dataclass
 class Outcome:
-    """A simulated plan, or why there is none (`failed`: 'oom/unrecoverable: ...')."""
+    """A simulated plan, or why there is none (`failed`: 'oom: ...' or 'no plan: ...')."""
     result: SimResult | None = None
     failed: str | None = None
 
@@ -122,22 +151,28 @@ class Outcome:
     def time(self) -> float | None:
         return None if self.result is None else self.result.iteration_time
 
+    @property
+    def short(self) -> str:
+        return (self.failed or "").split(":")[0]
 
-def config(setup: Setup, dp: int, level: str = "staggered", fault_free: str = "schedule"):
+
+def config(setup: Setup, dp: int, level: str = "staggered"):
+    extra = [] if setup.efficiency is None else [f"hardware.efficiency={setup.efficiency}"]
     return compose(["backend=sim", "failures=none", "strategy=recycle", f"strategy.level={level}",
-                    f"strategy.fault_free={fault_free}", "strategy.plan_ahead=0", "strategy.plan_cache=null",
-                    f"model={setup.model}", f"hardware={setup.hardware}", f"cluster.pp={setup.pp}",
-                    f"cluster.dp={dp}", "cluster.gpus_per_node=1", f"train.microbatches={setup.microbatches}",
-                    f"train.overlap_grad_reduce={str(setup.overlap).lower()}"])
+                    "strategy.plan_ahead=0", "strategy.plan_cache=null", f"model={setup.model}",
+                    f"hardware={setup.hardware}", f"cluster.pp={setup.pp}", f"cluster.dp={dp}",
+                    "cluster.gpus_per_node=1", f"train.microbatches={setup.microbatches}",
+                    f"train.overlap_grad_reduce={str(setup.overlap).lower()}", *extra])
 
 
 def run_plan(ctx: RunContext, plan) -> Outcome:
-    """Simulate a plan; one whose simulated peak memory exceeds the GPU's is an oom outcome."""
+    """Simulate a plan (the steady-state period when staggered); one whose simulated peak
+    memory exceeds the GPU's is an oom outcome."""
     result = simulate(plan.schedule, PlanCosts(ctx.cost_model, plan), staggered=plan.staggered_optimizer)
     capacity = ctx.cost_model.memory_bytes
     worst = max(result.peak_memory_bytes, key=result.peak_memory_bytes.get)
     if result.peak_memory_bytes[worst] > capacity:
-        return Outcome(failed=f"oom/unrecoverable: worker {worst} needs {result.peak_memory_bytes[worst] / 1e9:.1f} GB "
+        return Outcome(failed=f"oom: worker {worst} needs {result.peak_memory_bytes[worst] / 1e9:.1f} GB "
                               f"of {capacity / 1e9:.1f} GB")
     return Outcome(result)
 
@@ -155,7 +190,7 @@ def fail_in_turn(strategy, ctx: RunContext, cluster: Cluster, positions, pp: int
         failed_nodes.append(node)
         recovery = strategy.on_event(FailureEvent(node=node, kind="fail", iteration=1), cluster, 1)
         if recovery.unrecoverable or recovery.plan is None:
-            out.append(Outcome(failed=f"oom/unrecoverable: {recovery.unrecoverable or 'no plan'}"))
+            out.append(Outcome(failed=f"no plan: {recovery.unrecoverable or 'none returned'}"))
         else:
             out.append(run_plan(ctx, recovery.plan))
     for node in reversed(failed_nodes):
@@ -165,77 +200,76 @@ def fail_in_turn(strategy, ctx: RunContext, cluster: Cluster, positions, pp: int
 
 
 @dataclass
-class LevelRuns:
-    planned: Outcome  # the level's own planned fault-free plan (strategy.fault_free=planned)
-    failed: dict[tuple, Outcome] = field(default_factory=dict)  # failed positions -> outcome
-
-
-def schedule_runs(setup: Setup, dp: int, level: str, chain) -> tuple[Outcome, dict[tuple, Outcome]]:
-    """ReCycle with strategy.fault_free=schedule: (its fault-free run, the configured 1F1B,
-    reference (a); {failed positions: outcome} with the workers of `chain` failed in turn: the
-    failure plans do not depend on the fault-free setting)."""
-    cfg = config(setup, dp, level, "schedule")
-    ctx = RunContext.from_config(cfg)
-    cluster = Cluster.from_config(cfg.cluster)
-    strategy = build_strategy(cfg.strategy, ctx)
-    fault_free = run_plan(ctx, strategy.plan(cluster))
-    outcomes = fail_in_turn(strategy, ctx, cluster, chain, setup.pp)
-    return fault_free, {tuple(chain[:i + 1]): o for i, o in enumerate(outcomes)}
-
-
-def planned_fault_free(setup: Setup, dp: int, level: str) -> Outcome:
-    """The level's own planned fault-free plan (strategy.fault_free=planned, the default)."""
-    cfg = config(setup, dp, level, "planned")
-    ctx = RunContext.from_config(cfg)
-    strategy = build_strategy(cfg.strategy, ctx)
-    try:
-        return run_plan(ctx, strategy.plan(Cluster.from_config(cfg.cluster)))
-    except ConfigError as error:  # the planned fault-free plan does not fit in memory
-        return Outcome(failed=f"oom/unrecoverable: {error}")
-
-
-def drop_pipelines(setup: Setup, dp: int, lost: int) -> dict[str, Outcome]:
-    """The global batch on dp - lost pipelines (the failed workers' pipelines dropped)."""
-    ctx = RunContext.from_config(config(setup, dp))
-    if dp - lost < 1:
-        return {s: Outcome(failed="oom/unrecoverable: no pipeline left") for s in ("1f1b", "zb-h1")}
-    return {sched: run_plan(ctx, ctx.grid_plan(setup.pp, dp - lost, 1, sched)) for sched in ("1f1b", "zb-h1")}
-
-
-@dataclass
 class Cell:
     """One setup (model, dp) and everything measured on it."""
     setup: Setup
     dp: int
     global_batch: int
-    reference: Outcome  # ReCycle fault-free = the configured 1F1B
-    levels: dict[str, LevelRuns]
-    drop: dict[int, dict[str, Outcome]]  # failed pipelines -> schedule -> outcome
+    reference: Outcome  # fault-free 1F1B: strategy=none's plan
+    fault_free: dict[str, Outcome]  # level -> ReCycle's own fault-free run (the same plan)
+    levels: dict[str, dict[tuple, Outcome]]  # level -> failed positions -> outcome
+    drop: dict[int, Outcome]  # failed pipelines -> 1F1B on the others, same global batch
+    bounds: dict[tuple, float] = field(default_factory=dict)  # failed positions -> work bound (s)
+
+    def failed(self, level: str, positions) -> Outcome:
+        return self.levels[level][tuple(positions)]
+
+
+def chains_of(failure_sets) -> list[list]:
+    """The failure sets that are no prefix of another: each is failed in turn, and its
+    prefixes' outcomes come with it."""
+    return [list(p) for p in failure_sets
+            if not any(len(q) > len(p) and list(q[:len(p)]) == list(p) for q in failure_sets)]
+
+
+def work_bound(reference: SimResult, setup: Setup, dp: int, positions) -> float:
+    """max(the fault-free time, the most compute any worker must do) with the workers at
+    `positions` failed: the failed stage's dp x m micro-batches spread over its survivors as
+    evenly as whole micro-batches go (each keeps its own), at their fault-free F + BW times,
+    plus the stage's step. B + W costs BW, so this bounds every level, barrier or staggered."""
+    pp, m = setup.pp, setup.microbatches
+    compute, step = {}, {}
+    for w, op, s, e in reference.ops:
+        if w // pp == 0:  # pipeline 0's workers: one per stage
+            if op.kind == OPT:
+                step[op.stage] = e - s
+            else:
+                compute[op.stage] = compute.get(op.stage, 0.0) + (e - s)
+    bound = reference.iteration_time
+    for stage in {s for _, s in positions}:
+        survivors = dp - sum(1 for _, s in positions if s == stage)
+        most = math.ceil(dp * m / survivors)
+        bound = max(bound, compute[stage] / m * most + step.get(stage, 0.0))
+    return bound
 
 
 def measure(setup: Setup, dp: int, failure_sets, progress=None) -> Cell:
     """Run every level on one setup. `failure_sets`: lists of positions, each failed in turn;
     a set that is a prefix of another shares its runs."""
-    chains = [list(p) for p in failure_sets
-              if not any(len(q) > len(p) and list(q[:len(p)]) == list(p) for q in failure_sets)]
-    levels, reference = {}, None
+    ctx = RunContext.from_config(config(setup, dp))
+    reference = run_plan(ctx, ctx.grid_plan(setup.pp, dp, 1))
+    levels, fault_free = {}, {}
     for level in LEVELS:
-        runs = LevelRuns(planned_fault_free(setup, dp, level))
-        for chain in chains:
-            fault_free, failed = schedule_runs(setup, dp, level, chain)
-            runs.failed.update(failed)
-            if reference is None:
-                reference = fault_free  # the configured schedule: the same plan for every level
-        levels[level] = runs
+        cfg = config(setup, dp, level)
+        lctx = RunContext.from_config(cfg)
+        cluster = Cluster.from_config(cfg.cluster)
+        strategy = build_strategy(cfg.strategy, lctx)
+        fault_free[level] = run_plan(lctx, strategy.plan(cluster))
+        levels[level] = {}
+        for chain in chains_of(failure_sets):
+            for i, o in enumerate(fail_in_turn(strategy, lctx, cluster, chain, setup.pp)):
+                levels[level][tuple(chain[:i + 1])] = o
         if progress:
             progress(level)
     lost = sorted({len({d for d, _ in p}) for p in failure_sets})
-    drop = {n: drop_pipelines(setup, dp, n) for n in lost}
-    ctx = RunContext.from_config(config(setup, dp))
-    return Cell(setup, dp, ctx.global_batch, reference, levels, drop)
+    drop = {n: (run_plan(ctx, ctx.grid_plan(setup.pp, dp - n, 1)) if dp > n
+                else Outcome(failed="no pipeline left")) for n in lost}
+    bounds = ({tuple(p): work_bound(reference.result, setup, dp, p) for p in failure_sets}
+              if reference.result is not None else {})
+    return Cell(setup, dp, ctx.global_batch, reference, fault_free, levels, drop, bounds)
 
 
-# -- what limits staggering -----------------------------------------------------------------
+# -- what sets the staggered period ---------------------------------------------------------
 
 @dataclass
 class Limit:
@@ -243,7 +277,8 @@ class Limit:
     start one period apart and each worker starts its next iteration only after its own
     optimizer step, so the period is at least every worker's span (first op start to step
     end). The critical worker's span is the period; its step waits for its last op or for
-    its stage's all-reduce, which waits for that stage's last weight gradient anywhere."""
+    its stage's all-reduce, which waits for that stage's last weight gradient anywhere.
+    With release times the period is also at least the fault-free one (`released`)."""
     period: float
     worker: int
     position: tuple[int, int]  # (pipeline, stage)
@@ -255,15 +290,26 @@ class Limit:
     allreduce_input: tuple | None  # (op, worker, end): its last weight gradient (which starts it without overlap)
     step: tuple  # (start, end) of its optimizer step
     also: tuple = ()  # other workers whose span is the period too
+    released: float | None = None  # the fault-free period the release times repeat with
+
+    @property
+    def release_bound(self) -> bool:
+        """The period is the fault-free one: the slots, not the work, set it."""
+        return self.released is not None and self.period <= self.released * (1 + REL)
 
     @property
     def bound_by(self) -> str:
+        if self.release_bound:
+            return "release times"
         if self.allreduce is not None and self.allreduce[2] > self.last_op[1] + 1e-12:
             return "all-reduce"
         return "own compute"
 
     def describe(self, pp: int) -> str:
         """One line, times relative to the critical worker's iteration start."""
+        if self.release_bound:
+            return (f"period {self.period * 1e3:.2f} ms = the fault-free period: the slots repeat with it and "
+                    f"the re-routed work fits in the bubbles (a delay it causes is carried as a constant lag)")
         t0 = self.first_op[1]
         at = lambda t: f"+{(t - t0) * 1e3:.1f}"  # noqa: E731
         d, s = self.position
@@ -302,7 +348,7 @@ def _op(op) -> str:
 
 def staggering_limit(result: SimResult, pp: int) -> Limit:
     """The binding constraint of a staggered plan's period (see Limit), from the last
-    simulated iteration: the worker with the longest span, its last op, and the all-reduce
+    simulated iteration: the worker with the longest span (of several, the least idle), its last op, and the all-reduce
     its optimizer step waits for."""
     rows: dict[int, list] = {}
     for w, op, s, e in result.ops:
@@ -311,7 +357,10 @@ def staggering_limit(result: SimResult, pp: int) -> Limit:
     for w, ops in rows.items():
         steps = [(s, e) for op, s, e in ops if op.kind == OPT]
         spans[w] = (max(e for _, e in steps) if steps else max(e for _, _, e in ops)) - min(s for _, s, _ in ops)
-    w = max(spans, key=lambda v: (spans[v], -v))
+    busy = {v: sum(e - s for op, s, e in ops if op.kind != OPT) for v, ops in rows.items()}
+    longest = max(spans.values())
+    # of the workers whose span is the period, the one with the least idle time
+    w = max((v for v in spans if spans[v] >= longest - 1e-6 * longest), key=lambda v: (busy[v], -v))
     ops = sorted(rows[w], key=lambda r: r[1])
     compute = [r for r in ops if r[0].kind != OPT]
     step = next(((s, e) for op, s, e in ops if op.kind == OPT), (compute[-1][2], compute[-1][2]))
@@ -332,23 +381,45 @@ def staggering_limit(result: SimResult, pp: int) -> Limit:
                  if op.kind in (W, BW) and (op.pipeline, op.stage) in holders and e <= a1 + 1e-12]
         if grads:
             allreduce_input = max(grads, key=lambda r: r[2])
-    also = tuple(v for v in sorted(spans) if v != w and spans[v] >= spans[w] - 1e-6 * spans[w])
+    also = tuple(v for v in sorted(spans) if v != w and spans[v] >= longest - 1e-6 * longest)
+    released = result.schedule.released.period if result.schedule is not None and \
+        result.schedule.released is not None else None
     return Limit(result.iteration_time, w, position, spans[w], (ops[0][0], ops[0][1]), (last[0], last[2]),
-                 sum(e - s for _, s, e in compute), allreduce, allreduce_input, step, also)
+                 busy[w], allreduce, allreduce_input, step, also, released)
 
 
 # -- printing --------------------------------------------------------------------------------
 
-def change(reference: float | None, t: float | None) -> str:
-    """Throughput change relative to a reference, in %, e.g. '-14.6 %'."""
+def change_value(reference: float | None, t: float | None) -> float | None:
+    """Throughput change relative to a reference, in % (negative: a loss)."""
     if reference is None or t is None:
+        return None
+    return (reference / t - 1) * 100
+
+
+def change(reference: float | None, t: float | None) -> str:
+    """The same as text, e.g. '-14.6 %'."""
+    value = change_value(reference, t)
+    if value is None:
         return "-"
-    value = (reference / t - 1) * 100
     return f"{0.0 if abs(value) < 0.05 else value:+.1f} %"
+
+
+def removed(reference: float | None, before: float | None, after: float | None) -> str:
+    """The share of the loss at `before` that `after` removes (throughput terms), e.g. '100 %'."""
+    lost_before, lost_after = change_value(reference, before), change_value(reference, after)
+    if lost_before is None or lost_after is None or lost_before > -0.05:
+        return "-"  # nothing to remove
+    return f"{(lost_before - lost_after) / lost_before * 100:.0f} %"
 
 
 def positions_label(positions) -> str:
     return "+".join(f"({d},{s})" for d, s in positions) if positions else "none"
+
+
+def peer_share(dp: int) -> str:
+    """The extra work a failure gives each surviving peer of its stage, on average."""
+    return f"+{100 / (dp - 1):.0f} %"
 
 
 def fmt_table(head, rows, left=(0,)) -> str:
@@ -358,88 +429,113 @@ def fmt_table(head, rows, left=(0,)) -> str:
     return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, rows)])
 
 
+def markdown(head, rows) -> str:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
 def ms(outcome: Outcome) -> str:
-    return f"{outcome.time * 1e3:.2f} ms" if outcome.time is not None else "oom/unrecoverable"
+    return f"{outcome.time * 1e3:.2f} ms" if outcome.time is not None else outcome.short
 
 
-def cell_table(cell: Cell, failure_sets) -> str:
-    """Every line of one setup: references, each level fault-free (planned) and failed,
-    dropping the pipeline(s)."""
-    ref = cell.reference.time
-    rows = [("1F1B fault-free (= none)", ms(cell.reference), change(ref, ref), "-",
-             "the configured schedule, fused BW (reference a)")]
-    notes = [f"1F1B fault-free: {cell.reference.failed}"] if cell.reference.failed else []
-    for level, runs in cell.levels.items():
-        own = runs.planned.time
-        rows.append((f"{level} planned fault-free", ms(runs.planned), change(ref, own), change(own, own),
-                     "strategy.fault_free=planned (reference b)"))
-        if runs.planned.failed:
-            notes.append(f"{level} planned fault-free: {runs.planned.failed}")
-    for positions in failure_sets:
-        for level, runs in cell.levels.items():
-            o = runs.failed[tuple(positions)]
-            rows.append((f"{level} failed {positions_label(positions)}", ms(o), change(ref, o.time),
-                         change(runs.planned.time, o.time), MECHANISM[level]))
-            if o.failed:
-                notes.append(f"{level} failed {positions_label(positions)}: {o.failed}")
-    for lost, by_sched in cell.drop.items():
-        for sched, name in (("1f1b", "1F1B"), ("zb-h1", "ZB-H1")):
-            o = by_sched[sched]
-            rows.append((f"drop {lost} pipeline{'s' if lost > 1 else ''} {name}", ms(o), change(ref, o.time), "-",
-                         f"dp {cell.dp} -> {cell.dp - lost} pipelines, same global batch"))
-            if o.failed:
-                notes.append(f"drop {lost} {name}: {o.failed}")
-    out = fmt_table(("line", "iteration", "vs 1F1B fault-free", "vs own planned fault-free", "mechanism"),
-                    rows, left=(0, 4))
-    return out + "".join(f"\n  {n}" for n in notes)
+def setup_label(cell: Cell) -> str:
+    s = cell.setup
+    return f"{s.label} (pp {s.pp} x dp {cell.dp}{', table' if cell.dp == s.table_dp else ''})"
+
+
+def parity_notes(cells: list[Cell]) -> list[str]:
+    """Lines for every level whose fault-free run does not time as fault-free 1F1B (none expected)."""
+    notes = []
+    for cell in cells:
+        for level, o in cell.fault_free.items():
+            if o.time is None or cell.reference.time is None or \
+                    abs(o.time - cell.reference.time) > REL * cell.reference.time:
+                notes.append(f"WARNING {setup_label(cell)}: {level} fault-free {ms(o)} != 1F1B {ms(cell.reference)}")
+    return notes
 
 
 def summary_table(cells: list[Cell], failure_sets) -> str:
-    """One Markdown row per (model, dp, failures): each level's change vs (a) the configured
-    1F1B fault-free and (b) the level's own planned fault-free, and dropping the pipelines."""
-    head = ["model (pp)", "dp", "failed", "1F1B fault-free"]
-    head += [f"{level} (a) / (b)" for level in LEVELS] + ["drop pipelines, 1F1B", "drop, ZB-H1"]
-    rows = []
+    """One Markdown row per (model, dp, failures): each level's iteration time and change vs
+    fault-free 1F1B, the share of the decoupled loss the staggered optimizer removes,
+    dropping the failed pipelines, and the work bound. Reasons for missing cells follow."""
+    head = ["setup", "peer's extra work", "failed", "1F1B fault-free", *LEVELS, "staggered removes",
+            "drop pipelines (1F1B)", "work bound"]
+    rows, notes = [], []
     for cell in cells:
         ref = cell.reference.time
         for positions in failure_sets:
-            row = [f"{NAMES.get(cell.setup.model, cell.setup.model)} (pp {cell.setup.pp})", str(cell.dp),
-                   positions_label(positions), ms(cell.reference)]
+            row = [setup_label(cell), peer_share(cell.dp), positions_label(positions), ms(cell.reference)]
             for level in LEVELS:
-                runs = cell.levels[level]
-                o = runs.failed[tuple(positions)]
-                row.append("oom/unrecoverable" if o.failed else
-                           f"{o.time * 1e3:.1f} ms: {change(ref, o.time)} / {change(runs.planned.time, o.time)}")
+                o = cell.failed(level, positions)
+                row.append(o.short if o.failed else f"{o.time * 1e3:.1f} ms: {change(ref, o.time)}")
+                if o.failed:
+                    notes.append(f"{setup_label(cell)}, {level}, {positions_label(positions)} failed: {o.failed}")
+            row.append(removed(ref, cell.failed("decoupled", positions).time, cell.failed("staggered", positions).time))
             lost = len({d for d, _ in positions})
-            for sched in ("1f1b", "zb-h1"):
-                d = cell.drop[lost][sched]
-                row.append(("no pipeline left" if lost >= cell.dp else "oom/unrecoverable") if d.failed
-                           else f"{d.time * 1e3:.1f} ms: {change(ref, d.time)}")
+            d = cell.drop[lost]
+            row.append(d.short if d.failed else f"{d.time * 1e3:.1f} ms: {change(ref, d.time)}")
+            bound = cell.bounds.get(tuple(positions))
+            row.append("-" if bound is None else f"{bound * 1e3:.1f} ms: {change(ref, bound)}")
             rows.append(row)
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+    return markdown(head, rows) + "".join(f"\n  {n}" for n in notes + parity_notes(cells))
 
 
-def planned_table(cells: list[Cell]) -> str:
-    """The levels' planned fault-free plans vs the configured 1F1B (what fault_free=planned costs or buys)."""
-    head = ["model (pp)", "dp", "1F1B fault-free"] + [f"{level} planned" for level in LEVELS]
-    rows = []
-    for cell in cells:
-        ref = cell.reference.time
-        row = [f"{NAMES.get(cell.setup.model, cell.setup.model)} (pp {cell.setup.pp})", str(cell.dp),
-               ms(cell.reference)]
+def talk_lines(cells: list[Cell]) -> str:
+    """Per dp, one failure: the range of each level's change over the models, beside the talk's."""
+    positions = FAILURE_SETS[1]
+    lines = [f"The talk: reroute {TALK['reroute']:+.0f} %, decoupled {TALK['decoupled']:+.0f} %, "
+             "staggered removes most of the rest. Here, one failure, over the models:"]
+    for dp in sorted({c.dp for c in cells}):
+        at = [c for c in cells if c.dp == dp]
+        parts = []
         for level in LEVELS:
-            p = cell.levels[level].planned
-            row.append("oom/unrecoverable" if p.failed else f"{p.time * 1e3:.1f} ms ({change(ref, p.time)})")
-        rows.append(row)
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+            values = [change_value(c.reference.time, c.failed(level, positions).time) for c in at]
+            values = [v for v in values if v is not None]
+            parts.append(f"{level} {_span(values)}" if values else f"{level} -")
+        shares = [removed(c.reference.time, c.failed("decoupled", positions).time,
+                          c.failed("staggered", positions).time) for c in at]
+        bounds = [change_value(c.reference.time, c.bounds.get(tuple(positions))) for c in at]
+        bounds = [b for b in bounds if b is not None]
+        lines.append(f"  dp {dp} (peer's extra work {peer_share(dp)}): " + ", ".join(parts)
+                     + f"; staggered removes {', '.join(shares)} of the decoupled loss"
+                     + (f"; work bound {_span(bounds)}" if bounds else ""))
+    return "\n".join(lines)
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    fmt = lambda v: f"{0.0 if abs(v) < 0.05 else v:+.1f}"  # noqa: E731
+    return f"{fmt(lo)} %" if fmt(lo) == fmt(hi) else f"{fmt(lo)} to {fmt(hi)} %"
+
+
+def cell_table(cell: Cell, failure_sets) -> str:
+    """Every line of one setup: the reference, each level failed, dropping the pipeline(s)."""
+    ref = cell.reference.time
+    rows = [("1F1B fault-free (= none = recycle, no failure)", ms(cell.reference), change(ref, ref),
+             "the configured schedule, fused BW")]
+    notes = [f"1F1B fault-free: {cell.reference.failed}"] if cell.reference.failed else []
+    for positions in failure_sets:
+        for level in LEVELS:
+            o = cell.failed(level, positions)
+            rows.append((f"{level} failed {positions_label(positions)}", ms(o), change(ref, o.time), MECHANISM[level]))
+            if o.failed:
+                notes.append(f"{level} failed {positions_label(positions)}: {o.failed}")
+        bound = cell.bounds.get(tuple(positions))
+        if bound is not None:
+            rows.append((f"work bound {positions_label(positions)}", f"{bound * 1e3:.2f} ms", change(ref, bound),
+                         "max(fault-free, the busiest survivor's compute)"))
+    for lost, o in cell.drop.items():
+        rows.append((f"drop {lost} pipeline{'s' if lost > 1 else ''} (1F1B)", ms(o), change(ref, o.time),
+                     f"dp {cell.dp} -> {cell.dp - lost} pipelines, same global batch"))
+        if o.failed:
+            notes.append(f"drop {lost}: {o.failed}")
+    out = fmt_table(("line", "iteration", "vs fault-free", "mechanism"), rows, left=(0, 3))
+    return out + "".join(f"\n  {n}" for n in notes + parity_notes([cell]))
 
 
 def last_step(result: SimResult, pp: int) -> str:
-    """The worker whose optimizer step ends a barrier iteration last, e.g. '(0,7)'."""
+    """The worker whose optimizer step ends a barrier iteration last, e.g. '(0,3)'."""
     w = max((r for r in result.ops if r[1].kind == OPT), key=lambda r: (r[3], -r[0]))[0]
     return f"({w // pp},{w % pp})"
 
@@ -448,10 +544,9 @@ def limits_text(cells: list[Cell], failure_sets) -> str:
     lines = []
     for cell in cells:
         for positions in failure_sets:
-            staggered = cell.levels["staggered"].failed[tuple(positions)]
-            decoupled = cell.levels["decoupled"].failed[tuple(positions)]
-            head = (f"{NAMES.get(cell.setup.model, cell.setup.model)} pp {cell.setup.pp} x dp {cell.dp}, "
-                    f"failed {positions_label(positions)}")
+            staggered = cell.failed("staggered", positions)
+            decoupled = cell.failed("decoupled", positions)
+            head = f"{setup_label(cell)}, failed {positions_label(positions)}"
             if staggered.failed:
                 lines.append(f"{head}: {staggered.failed}")
                 continue
@@ -465,8 +560,11 @@ def limits_text(cells: list[Cell], failure_sets) -> str:
 
 def gantt(cell: Cell, positions, out: str) -> Path:
     panels = []
-    for level, runs in cell.levels.items():
-        o = runs.failed[tuple(positions)]
+    if cell.reference.result is not None:
+        panels.append((f"fault-free 1F1B (what ReCycle runs with no failure), {cell.reference.time * 1e3:.2f} ms",
+                       cell.reference.result.timeline()))
+    for level in LEVELS:
+        o = cell.failed(level, positions)
         if o.result is None:
             continue
         extra = ", previous + current iteration (steady state)" if level == "staggered" else ""
@@ -487,20 +585,34 @@ def overlap_note(overlap: bool) -> str:
             "--overlap for the overlapped one).")
 
 
+def efficiency_note(setup: Setup, dp: int) -> str:
+    eff = config(setup, dp).hardware.efficiency
+    given = "given with --efficiency" if setup.efficiency is not None else "the profile's, not the table's fit"
+    return f"hardware.efficiency {eff:g} ({given})"
+
+
 def gantt_out(args) -> str:
     if args.out is not None:
         return args.out
     return "runs/recycle-ablation-overlap.png" if args.overlap else "runs/recycle-ablation.png"
 
 
+def legend(failure_sets_text: str) -> str:
+    return ("Cells: iteration time and throughput change vs fault-free 1F1B (negative: a loss); every line runs "
+            "the same global batch.\n"
+            f"Failed workers (pipeline, stage): {failure_sets_text}.\n"
+            "peer's extra work: 1/(dp - 1), what each surviving peer of the failed stage takes on average. "
+            "staggered removes: the share of the decoupled loss the staggered optimizer removes. drop: the "
+            "failed workers' pipelines removed, the global batch on the others (1F1B). work bound: max(fault-free, "
+            "the busiest survivor's compute with whole micro-batches spread evenly), which no level can beat.")
+
+
 def full(args) -> None:
     dps = QUICK_DPS if args.quick else DPS
     failure_sets = [list(p) for p in FAILURE_SETS.values()]
     began = time.perf_counter()
-    cells = []
-    setups = [dataclasses.replace(s, overlap=args.overlap) for s in SETUPS]
-    total = len(setups) * len(dps) * len(LEVELS)
-    done = 0
+    setups = [dataclasses.replace(s, overlap=args.overlap, efficiency=args.efficiency) for s in table_setups()]
+    total, done, cells = len(setups) * len(dps) * len(LEVELS), 0, []
     for setup in setups:
         for dp in dps:
             def progress(level, setup=setup, dp=dp):
@@ -511,41 +623,38 @@ def full(args) -> None:
             cells.append(measure(setup, dp, failure_sets, progress))
     print(file=sys.stderr)
 
-    print("ReCycle ablation (simulator). One GPU per node; micro-batch 1 x 2048 tokens; "
-          "2 x pp micro-batches per pipeline.")
-    print("Setups: " + "; ".join(f"{NAMES[s.model]} on {s.hardware} at pp {s.pp}, {s.microbatches} micro-batches"
-                                 for s in SETUPS) + f"; dp {', '.join(map(str, dps))}"
-          + (" (--quick: dp 8 left out)" if args.quick else "") + ".")
-    print("Failed workers (pipeline, stage): (0,1); then (0,1)+(1,2), two stages in two pipelines.")
+    print("ReCycle ablation (simulator): the models and grids of the ReCycle table "
+          "(conf/experiment/recycle-table.yaml), dp varied around the table's.")
+    print("Setups: " + "; ".join(f"{s.label} at pp {s.pp}, {s.microbatches} micro-batches per pipeline (table: dp "
+                                 f"{s.table_dp})" for s in setups)
+          + f"; dp {', '.join(map(str, dps))}" + (" (--quick: dp 8 left out)" if args.quick else "")
+          + f"; micro-batch 1 x 2048 tokens; {setups[0].hardware}, one GPU per node; {efficiency_note(setups[0], dps[0])}.")
     print(overlap_note(args.overlap))
-    print("(a) = throughput change vs 1F1B fault-free (strategy none; ReCycle with strategy.fault_free=schedule); "
-          "(b) = vs the level's own planned fault-free plan (strategy.fault_free=planned, ReCycle's default).")
-    print("Dropping the pipelines: the failed workers' pipelines are removed and the others carry the global "
-          "batch (1F1B or ZB-H1), change vs (a).\n")
+    print(legend("(0,1); then (0,1)+(1,2), two stages in two pipelines") + "\n")
     print(summary_table(cells, failure_sets))
-    print("\nPlanned fault-free plans (strategy.fault_free=planned) vs the configured 1F1B:\n")
-    print(planned_table(cells))
-    print("\nWhat limits staggering (the staggered plan's critical worker, in its last simulated iteration; "
-          "times from the start of the previous one):")
+    print("\n" + talk_lines(cells))
+    print("\nWhat sets the staggered period (its last simulated iteration; times from the start of the previous one):")
     print(limits_text(cells, failure_sets))
     if args.verbose:
         for cell in cells:
             s = cell.setup
-            print(f"\n{s.model} on {s.hardware}, pp {s.pp} x dp {cell.dp}, {s.microbatches} micro-batches per "
+            print(f"\n{s.label} on {s.hardware}, pp {s.pp} x dp {cell.dp}, {s.microbatches} micro-batches per "
                   f"pipeline ({cell.global_batch} samples per iteration)\n")
             print(cell_table(cell, failure_sets))
-    chart = next((c for c in cells if dataclasses.replace(c.setup, overlap=False) == GANTT_SETUP
-                  and c.dp == GANTT_DP), None)
+    chart = next((c for c in cells if c.setup.model == GANTT_MODEL and c.dp == GANTT_DP), None)
     if chart is not None:
-        out = gantt(chart, failure_sets[GANTT_FAILURES - 1], gantt_out(args))
-        print(f"\nGantt ({GANTT_SETUP.model}, dp {GANTT_DP}, {positions_label(failure_sets[GANTT_FAILURES - 1])} "
-              f"failed): {out}")
+        positions = failure_sets[GANTT_FAILURES - 1]
+        out = gantt(chart, positions, gantt_out(args))
+        print(f"\nGantt ({chart.setup.label}, dp {GANTT_DP}, {positions_label(positions)} failed): {out}")
     print(f"({time.perf_counter() - began:.1f} s)")
 
 
 def single(args) -> None:
-    setup = Setup(args.model or "gpt3-medium", args.hardware or "a100-40gb", args.pp or 4, args.microbatches or 8,
-                  overlap=args.overlap)
+    setups = {s.model: s for s in table_setups()}
+    model = args.model or "gpt3-medium"
+    base = setups.get(model, Setup(model, model, 4, 8))
+    setup = Setup(model, base.label, args.pp or base.pp, args.microbatches or base.microbatches,
+                  args.hardware or base.hardware, base.table_dp, args.overlap, args.efficiency)
     dp = args.dp or 4
     stages = [int(s) for s in (args.stages or "1,2").split(",") if s.strip()]
     if dp < 2:
@@ -558,12 +667,14 @@ def single(args) -> None:
                    lambda level: print(f"\r{level:<9} {time.perf_counter() - began:5.1f} s", end="",
                                        file=sys.stderr, flush=True))
     print(file=sys.stderr, flush=True)
-    print(f"ReCycle ablation: {setup.model} on {setup.hardware}, pp {setup.pp} x dp {dp}, "
-          f"{setup.microbatches} micro-batches per pipeline ({cell.global_batch} samples per iteration)")
-    print("throughput change in % (same global batch everywhere), negative = loss")
+    print(f"ReCycle ablation: {setup.label} on {setup.hardware}, pp {setup.pp} x dp {dp}, "
+          f"{setup.microbatches} micro-batches per pipeline ({cell.global_batch} samples per iteration), "
+          f"one GPU per node; {efficiency_note(setup, dp)}")
+    print(f"throughput change in % vs fault-free 1F1B (same global batch everywhere), negative = loss; "
+          f"a failure gives each peer of its stage {peer_share(dp)} work")
     print(overlap_note(args.overlap) + "\n")
     print(cell_table(cell, failure_sets))
-    print("\nWhat limits staggering:")
+    print("\nWhat sets the staggered period:")
     print(limits_text([cell], failure_sets))
     out = gantt(cell, failure_sets[0], gantt_out(args))
     print(f"\nGantt: {out}   ({time.perf_counter() - began:.1f} s)")
@@ -575,24 +686,23 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="full ablation at dp 2 and 4 only")
     ap.add_argument("--verbose", "-v", action="store_true", help="full ablation: also every setup's table")
     ap.add_argument("--dp", type=int, help="single setup: data-parallel pipelines (at least 2; default 4)")
-    ap.add_argument("--pp", type=int, help="single setup: pipeline stages (default 4)")
-    ap.add_argument("--microbatches", type=int, help="single setup: micro-batches per pipeline (default 8)")
+    ap.add_argument("--pp", type=int, help="single setup: pipeline stages (default: the table's for the model)")
+    ap.add_argument("--microbatches", type=int, help="single setup: micro-batches per pipeline (default: the table's)")
     ap.add_argument("--model", help="single setup: model (default gpt3-medium)")
-    ap.add_argument("--hardware", help="single setup: hardware (default a100-40gb)")
+    ap.add_argument("--hardware", help="single setup: hardware (default recycle-testbed)")
     ap.add_argument("--stages", help="single setup: stages whose worker in pipeline 0 fails, one at a time "
                                      "(comma-separated; default 1,2)")
+    ap.add_argument("--efficiency", type=float, default=None,
+                    help="hardware.efficiency for every run (default: the hardware profile's, 0.5)")
     ap.add_argument("--overlap", action="store_true",
                     help="overlap each gradient all-reduce with the last micro-batch's backward "
                          "(train.overlap_grad_reduce=true; default: after it)")
-    ap.add_argument("--out", default=None, help="Gantt of the three levels (default runs/recycle-ablation.png, "
-                                                "with --overlap runs/recycle-ablation-overlap.png)")
+    ap.add_argument("--out", default=None, help="Gantt of fault-free 1F1B and the three levels (default "
+                                                "runs/recycle-ablation.png, with --overlap runs/recycle-ablation-overlap.png)")
     args = ap.parse_args()
     one = any(v is not None for v in (args.dp, args.pp, args.microbatches, args.model, args.hardware, args.stages))
     if one and (args.full or args.quick):
         ap.error("--full/--quick run the fixed set of setups; leave out --dp/--pp/--model/... (or use those alone)")
-    print(f"recycle_ablation.py: ReCycle's levels on the simulator, "
-          f"{'one setup' if one else 'dp 2 and 4' if args.quick else 'the full ablation'}, progress on stderr; "
-          f"typically {DURATION}", file=sys.stderr, flush=True)
     single(args) if one else full(args)
 
 
