@@ -179,7 +179,12 @@ class ReCycle(CheckpointRestart):
         if not back:
             return Recovery()  # a node that held nothing: nothing changes
         self.failed -= back
-        old, self.current = self.current, self._plan_for(cluster)
+        try:
+            plan = self._plan_for(cluster)
+        except PlanningError:  # no plan of the smaller failure set fits: the node stays idle
+            self.failed |= back
+            return Recovery()
+        old, self.current = self.current, plan
         # The returning workers copy their stage's weights and optimizer state from a peer.
         copies = peer_copies(old, self.current, lambda w: cluster.is_alive(cluster.node_of(w)), self.ctx.cost_model)
         return Recovery(actions=[Rendezvous(), SyncFromPeers(copies)], plan=self.current)

@@ -58,13 +58,19 @@ def list_schedule_timed(problem: PlanningProblem, rules=tuple(RULES)) -> tuple[d
 def list_schedule_shaped(problem: PlanningProblem, rules=tuple(RULES)) -> tuple[list, float]:
     """As list_schedule_timed, with the orders per shape: [(shape, its orders, its parts)]
     (ftbench.planning.parts; copy_shaped gives every worker's)."""
-    best, best_time = None, float("inf")
+    best, best_time, stalled = None, float("inf"), None
     for rule in rules:
         if RULES[rule].fit and problem.released is None:
             continue  # no original schedule: the same as backward-first
-        shaped, time = _schedule_shapes(problem, RULES[rule])
+        try:
+            shaped, time = _schedule_shapes(problem, RULES[rule])
+        except PlanningError as error:  # this rule found no order within the caps; another may
+            stalled = error
+            continue
         if time < best_time - 1e-12:
             best, best_time = shaped, time
+    if best is None:
+        raise stalled
     return best, best_time
 
 
@@ -145,10 +151,15 @@ def _schedule_part(problem, rule: Rule):
     runner: list[int] = []
     chains: list[list[deque]] = []  # per worker: (kind, owner pipeline) chains in micro-batch order
     own: list[deque | None] = []  # per worker: its own chain (also in `chains`), or None
+    own_peak = [0] * len(workers)  # most own micro-batches its fault-free order holds stashed
     for w, pos in enumerate(workers):
         heads = defaultdict(deque)
         mine = problem.own_chain(pos)
         members = set(mine or ())
+        held = 0
+        for op in mine or ():
+            held += 1 if op.kind == F else -1
+            own_peak[w] = max(own_peak[w], held)
         if mine:
             heads["own"] = deque()
             for op in mine:
@@ -193,6 +204,22 @@ def _schedule_part(problem, rule: Rule):
     deferred = [0] * n  # between B and W
     cap = [problem.stash_cap(pos) for pos in workers]
     defer = [problem.defer_cap(pos) for pos in workers]
+    for w, pos in enumerate(workers):
+        if own[w] is not None and own_peak[w] > cap[w]:
+            raise PlanningError(f"worker {pos} cannot keep its fault-free order: it stashes {own_peak[w]} "
+                                f"micro-batches there, and its memory holds {cap[w]} with its re-routed load")
+
+    def own_ahead(w) -> int:
+        """Forwards at the head of the worker's own chain, before its next backward: the stash
+        it needs to reach that backward (another pipeline's forward must leave room for them,
+        else the own chain could wait on a full stash that only it would free)."""
+        count = 0
+        for i in own[w]:
+            if kind_of[i] != F:
+                break
+            count += 1
+        return count
+
     orders: list[list[Op]] = [[] for _ in workers]
     version = [0] * n
     heap = []
@@ -222,6 +249,8 @@ def _schedule_part(problem, rule: Rule):
             kind = kind_of[i]
             if (full and kind == F) or (held and kind == B):
                 continue
+            if kind == F and chain is not mine and mine is not None and stash[w] + 1 + own_ahead(w) > cap[w]:
+                continue  # the own chain's next forwards need that room
             start = at if at > ready else ready
             if bound is not None and chain is not mine and start + duration[i] > bound + 1e-12:
                 continue  # does not fit in the bubble before the own chain's next op
