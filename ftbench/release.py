@@ -74,7 +74,10 @@ def releases_of(result, pp: int) -> Releases:
     optimizer start (the stage's common all-reduce ends then), the iteration time, and the
     order of pipeline 0's F and B/BW ops at each stage."""
     starts: dict[tuple[str, int, int], float] = {}
-    for _, op, start, _ in result.ops:
+    # The simulated workers' rows: every other worker copies one of them, times and all, so
+    # the extremes are the same (16,384 workers' rows would take seconds to build).
+    rows = result.simulated_ops() if hasattr(result, "simulated_ops") else result.ops
+    for _, op, start, _ in rows:
         key = (op.kind, op.stage, NO_MICROBATCH if op.kind == OPT else op.microbatch)
         if op.kind == OPT:
             starts[key] = max(starts.get(key, start), start)

@@ -105,6 +105,16 @@ class SimResult:
         self._build_copies()
         return self._previous_ops
 
+    def simulated_ops(self) -> list[tuple[int, Op, float, float]]:
+        """The rows of the workers actually simulated, without building the copies' (each copy
+        worker's rows are its representative's, same kinds, stages, micro-batches and times, the
+        pipeline renamed): for readers that want extremes over every worker, e.g. the earliest
+        start of each (kind, stage, micro-batch) (ftbench.release). Where copied parts rename
+        micro-batches too (re-routed plans), every row."""
+        if self._replicas is not None and self._replicas.parts:
+            return self.ops
+        return self._ops
+
     def _build_copies(self) -> None:
         replicas, self._replicas = self._replicas, None
         if replicas is not None:
