@@ -117,10 +117,13 @@ def test_a_seeded_random_kill(tmp_path, strategy):
     _assert_measured(summary, [node])
 
 
+# The default tier runs Oobleck's case (two failures: a merge, then a borrow); the other
+# strategies are killed on dist in this file's other tests, their sim conformance is
+# tests/test_conformance.py's, and `-m full` runs them here too.
 @pytest.mark.parametrize("strategy, events", [
-    ("checkpoint", [dict(iteration=3, node=3)]),
-    ("elastic-horovod", [dict(iteration=2, node=1), dict(iteration=5, node=3)]),
-    ("recycle", [dict(iteration=3, node=3)]),
+    pytest.param("checkpoint", [dict(iteration=3, node=3)], marks=pytest.mark.full),
+    pytest.param("elastic-horovod", [dict(iteration=2, node=1), dict(iteration=5, node=3)], marks=pytest.mark.full),
+    pytest.param("recycle", [dict(iteration=3, node=3)], marks=pytest.mark.full),
     ("oobleck", [dict(iteration=2, node=1), dict(iteration=4, node=4)]),  # a merge, then a borrow
 ])
 def test_dist_agrees_with_sim(tmp_path, strategy, events):
@@ -183,8 +186,11 @@ def test_a_death_during_a_checkpoint_is_recovered(tmp_path):
 
 @pytest.mark.parametrize("strategy,events,kill,extra", [
     # node 1 fails in iteration 3; the standby taking its place (rank 4) dies as the restart
-    # begins: the restore completes without it, then node 1 is replaced again (rank 5)
-    ("checkpoint", "[{iteration:3,node:1}]", "4:3:recovery", ("strategy.every=2", "cluster.spares=2")),
+    # begins: the restore completes without it, then node 1 is replaced again (rank 5).
+    # `full`: the default tier's standby dying in a recovery is Swift's replay
+    # (tests/test_dist_robustness.py), which completes without it and takes the next standby too.
+    pytest.param("checkpoint", "[{iteration:3,node:1}]", "4:3:recovery", ("strategy.every=2", "cluster.spares=2"),
+                 marks=pytest.mark.full),
     # node 1 comes back in iteration 3 and copies stage 1 from worker 3, which dies before
     # sending: the copy is taken from the other holder (worker 5), then ReCycle re-routes
     # around node 3
@@ -231,7 +237,9 @@ def test_an_unannounced_death_stops_the_run_when_asked(tmp_path):
     assert_none_left(f"FTBENCH_TEST_MARKER={marker}")
 
 
-@pytest.mark.parametrize("strategy", ["checkpoint", "varuna"])
+# `full` for checkpoint: its unannounced death in the default tier is the one during a
+# checkpoint (test_a_death_during_a_checkpoint_is_recovered).
+@pytest.mark.parametrize("strategy", [pytest.param("checkpoint", marks=pytest.mark.full), "varuna"])
 def test_a_seeded_random_unannounced_death(tmp_path, strategy):
     """A process, an iteration and a point in it drawn from a seed, nothing scripted, for the
     strategies that restart from checkpoint files: onto a standby (checkpoint restart) or onto

@@ -30,7 +30,7 @@ def _assert_log_gone(tmp_path) -> None:
     assert not list(tmp_path.rglob("swift-logs")), "the boundary log folder outlived the run"
 
 
-@pytest.mark.parametrize("parallel", [1, 2])
+@pytest.mark.parametrize("parallel", [1, pytest.param(2, marks=pytest.mark.full)])  # 2: the same replay in halves
 def test_a_lost_stage_without_replica_is_replayed_from_the_logs(tmp_path, parallel):
     """pp=2, dp=1: node 1 (stage 1, the only copy) dies in iteration 3; the standby loads the
     checkpoint of iteration 2 and replays iteration 2 on stage 0's logged activations (with

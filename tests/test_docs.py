@@ -161,13 +161,23 @@ def _check_local(tmp_path: Path, command: str) -> str | None:
     return None
 
 
+def local_commands(tier: str) -> list[str]:
+    """The local commands of a tier: the README's in the default one (the front page's), the
+    other pages' in `full` (each strategy's local training is checked in its own tests too)."""
+    front = {c.split("  #")[0].strip() for page, c in shell_commands() if page == "README.md"}
+    return [c for c in unique("local") if (c.split("  #")[0].strip() in front) == (tier == "default")]
+
+
 @pytest.mark.slow
-def test_local_commands_train_the_fault_free_model(tmp_path):
+@pytest.mark.parametrize("tier", ["default", pytest.param("full", marks=pytest.mark.full)])
+def test_local_commands_train_the_fault_free_model(tmp_path, tier):
     """Each local command ends ok, its scripted failures struck, equal to fault-free training.
-    Two at a time: each uses one torch thread (gpt-tiny), and this is the longest docs test."""
+    Two at a time: each uses one torch thread (gpt-tiny), and this is the longest docs test
+    (all of them: 166 s on 2 cores; the `full` tier runs the pages other than the README)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    commands = unique("local")
+    commands = local_commands(tier)
+    assert commands
     with ThreadPoolExecutor(2) as pool:
         problems = list(pool.map(lambda i: _check_local(tmp_path / str(i), commands[i]), range(len(commands))))
     failed = [f"{c}\n  {why}" for c, why in zip(commands, problems) if why]
