@@ -38,19 +38,33 @@ LOCAL = ("backend=local", "model=gpt-tiny", "train.iterations=10", "train.microb
          "report.check_fault_free=false", "report.gantt=false", "cluster.replacement_s=0")
 
 
+_FAULT_FREE: dict[tuple[str, ...], tuple[list[float], dict]] = {}  # overrides -> (losses, final weights)
+
+
+def fault_free(tmp_path, *overrides: str) -> tuple[list[float], dict]:
+    """(losses, final weights) of fault-free training of `overrides` (strategy=none,
+    failures=none), trained once per test session: several tests judge strategies and
+    failures against the same setup, and fault-free training depends on its config alone."""
+    from ftbench.equivalence import load_state
+
+    key = (*overrides, "strategy=none", "failures=none")
+    if key not in _FAULT_FREE:
+        reference = run(tmp_path / "fault-free", *key)
+        assert reference["status"] == "ok", reference["error"]
+        _FAULT_FREE[key] = (reference["losses"], load_state(reference["final_state"]))
+    return _FAULT_FREE[key]
+
+
 def assert_matches_fault_free(tmp_path, setup=(), faults=()) -> dict:
     """The equivalence check: run `setup` under `faults` (strategy and failure overrides), then
-    the same setup fault-free (strategy=none, failures=none); per-iteration losses must agree
-    to rtol 1e-5 and the saved final weights to `torch.testing.assert_close`'s tolerance.
-    Returns the faulty run's summary."""
+    the same setup fault-free (strategy=none, failures=none; once per session, `fault_free`);
+    per-iteration losses must agree to rtol 1e-5 and the saved final weights to
+    `torch.testing.assert_close`'s tolerance. Returns the faulty run's summary."""
     from ftbench.equivalence import compare, load_state
 
     faulty = run(tmp_path / "faulty", *LOCAL, *setup, *faults)
     assert faulty["status"] == "ok", faulty["error"]
-    reference = run(tmp_path / "fault-free", *LOCAL, *setup, "strategy=none", "failures=none")
-    assert reference["status"] == "ok", reference["error"]
-    difference = compare(faulty["losses"], load_state(faulty["final_state"]),
-                         reference["losses"], load_state(reference["final_state"]))
+    difference = compare(faulty["losses"], load_state(faulty["final_state"]), *fault_free(tmp_path, *LOCAL, *setup))
     assert difference is None, difference
     return faulty
 
