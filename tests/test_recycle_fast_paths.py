@@ -202,3 +202,38 @@ def test_list_schedules_keep_the_original_slots():
             assert sim.iteration_time >= timeline.iteration_time * (1 - 1e-9)
             checked += 1
     assert checked > 100
+
+
+def test_a_lone_survivor_gets_a_plan_one_pipeline_at_a_time():
+    """GPT-3 6.7B on the ReCycle table's grid (pp 8 x dp 4, 16 micro-batches, 80 GB): with 3 of
+    stage 0's 4 workers failed, the lone survivor takes three pipelines' flows while their
+    stage-1 workers keep 1F1B's warm-up of 7 forwards each; interleaving them stalls on its
+    stash cap, and the serial rule (one pipeline at a time, the same order everywhere) plans it
+    within memory, keeping the original slots."""
+    import dataclasses
+
+    from ftbench.planning.heuristic import RULES, SERIAL, list_schedule_shaped, schedule_once
+    from ftbench.planning.library import check_orders
+    from ftbench.planning.problem import PlanningError, evaluate, problem_for
+    from conftest import compose
+    from ftbench.context import RunContext
+    from ftbench.costs import PlanCosts
+    from ftbench.release import releases_of
+    from ftbench.sim.simulator import simulate
+
+    cfg = compose("+experiment=recycle-table", "model=gpt3-6.7b", "strategy=recycle", "table.column=30m")
+    ctx = RunContext.from_config(cfg)
+    grid = ctx.grid_plan(8, 4, 1)
+    released = releases_of(simulate(grid.schedule, PlanCosts(ctx.cost_model, grid)), 8)
+    problem = dataclasses.replace(problem_for(ctx, 8, 4, 1, released=released),
+                                  failed=frozenset({(0, 0), (1, 0), (2, 0)}))
+    for rule in RULES.values():
+        with pytest.raises(PlanningError, match="stalled"):
+            schedule_once(problem, rule)
+    orders, time = schedule_once(problem, SERIAL)
+    assert check_orders(problem, orders) is None
+    sim = evaluate(problem, orders)
+    assert sim.iteration_time == pytest.approx(time, rel=1e-9)
+    assert time >= released.period
+    assert max(sim.peak_memory_bytes.values()) <= problem.memory_bytes
+    assert list_schedule_shaped(problem)[1] == time  # the library's planner falls back to it

@@ -37,11 +37,19 @@ class Rule(NamedTuple):
     # runs only where it ends before the own chain's next op could start, or while that op's
     # start is unknown (its inputs are still on the way and its release has passed).
     fit: bool = False
+    # One pipeline at a time: a worker starts a forward of a pipeline only when every pipeline
+    # of lower id it runs has finished its forwards and backwards. Every worker takes them in
+    # the same order, so no two wait on each other, and each holds at most one pipeline's
+    # stash beside nothing else: the plan of last resort when the stash caps stall the others
+    # (a lone survivor of a stage taking three failed pipelines' flows, each neighbour in its
+    # fault-free warm-up).
+    serial: bool = False
 
 
 RULES = {"bubbles": Rule(BACKWARD_FIRST, fit=True),
          "backward-first": Rule(BACKWARD_FIRST),
          "forward-first": Rule(FORWARD_FIRST)}
+SERIAL = Rule(BACKWARD_FIRST, serial=True)  # tried only when every rule above stalls
 
 
 def list_schedule(problem: PlanningProblem, rules=tuple(RULES)) -> dict[Position, list[Op]]:
@@ -69,8 +77,8 @@ def list_schedule_shaped(problem: PlanningProblem, rules=tuple(RULES)) -> tuple[
             continue
         if time < best_time - 1e-12:
             best, best_time = shaped, time
-    if best is None:
-        raise stalled
+    if best is None and stalled is not None:
+        best, best_time = _schedule_shapes(problem, SERIAL)  # raises when even that stalls
     return best, best_time
 
 
@@ -104,8 +112,8 @@ def _schedule_shape(problem: PlanningProblem, shape, rule: Rule):
     its flows, transfer times and caps, and with the grid's op times that decides its schedule
     (after each failure of a large grid most parts keep shapes already planned)."""
     released = None if problem.released is None else problem.released.key()
-    key = (problem.stages, problem.decoupled, problem.pp, tuple(sorted(rule.priority.items())), rule.fit, released,
-           shape.part.key)
+    key = (problem.stages, problem.decoupled, problem.pp, tuple(sorted(rule.priority.items())), rule.fit,
+           rule.serial, released, shape.part.key)
     found = _SHAPE_PLANS.get(key)
     if found is None:
         found = _schedule_part(shape, rule)
@@ -209,6 +217,16 @@ def _schedule_part(problem, rule: Rule):
             raise PlanningError(f"worker {pos} cannot keep its fault-free order: it stashes {own_peak[w]} "
                                 f"micro-batches there, and its memory holds {cap[w]} with its re-routed load")
 
+    serial = rule.serial
+    left: list[dict[int, int]] = [defaultdict(int) for _ in workers]  # per worker: pipeline -> its F, B, BW to run
+    for i, op in enumerate(ops):
+        if kind_of[i] != W:
+            left[runner[i]][op.pipeline] += 1
+
+    def turn(w) -> int:
+        """The pipeline whose forwards the worker may start (serial rule): its lowest with work left."""
+        return min(p for p, count in left[w].items() if count)
+
     def own_ahead(w) -> int:
         """Forwards at the head of the worker's own chain, before its next backward: the stash
         it needs to reach that backward (another pipeline's forward must leave room for them,
@@ -249,7 +267,10 @@ def _schedule_part(problem, rule: Rule):
             kind = kind_of[i]
             if (full and kind == F) or (held and kind == B):
                 continue
-            if kind == F and chain is not mine and mine is not None and stash[w] + 1 + own_ahead(w) > cap[w]:
+            if serial:
+                if kind == F and ops[i].pipeline != turn(w):
+                    continue
+            elif kind == F and chain is not mine and mine is not None and stash[w] + 1 + own_ahead(w) > cap[w]:
                 continue  # the own chain's next forwards need that room
             start = at if at > ready else ready
             if bound is not None and chain is not mine and start + duration[i] > bound + 1e-12:
@@ -274,6 +295,8 @@ def _schedule_part(problem, rule: Rule):
         orders[w].append(ops[i])
         scheduled += 1
         kind = kind_of[i]
+        if kind != W:
+            left[w][ops[i].pipeline] -= 1
         if kind == F:
             stash[w] += 1
         elif kind == W:
