@@ -121,3 +121,25 @@ def test_a_plan_that_fits_in_the_bubbles_costs_nothing(level):
         assert t > reference * 1.01
     else:
         assert t == pytest.approx(reference, rel=1e-9)
+
+
+def test_the_tables_recycle_cells_fall_below_fault_free_as_failures_grow(tmp_path):
+    """The ReCycle table's GPT-3 Medium row, 12 simulated hours per cell: fault-free ReCycle is
+    DeepSpeed's 1F1B exactly, and each failure column is slower than the one before."""
+    from conftest import run
+
+    def cell(strategy, column):
+        s = run(tmp_path / f"{strategy}-{column}", "+experiment=recycle-table", "model=gpt3-medium",
+                f"strategy={strategy}", f"table.column={column}", "train.max_hours=12", "seed=0",
+                "strategy.plan_cache=null" if strategy == "recycle" else "report.gantt=false")
+        assert s["status"] == "ok", s.get("error")
+        assert (s["failures"] > 0) == (column != "fault-free")
+        return s["throughput"]
+
+    deepspeed = cell("none", "fault-free")
+    assert cell("recycle", "fault-free") == deepspeed
+    previous = deepspeed
+    for column in ("2h", "30m"):
+        throughput = cell("recycle", column)
+        assert throughput < previous, (column, throughput, previous)
+        previous = throughput
