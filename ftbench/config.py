@@ -149,6 +149,7 @@ class ReCycleConfig(CheckpointConfig):
     level: str = "staggered"  # reroute (1F1B, fused backward) | decoupled (+ B/W split) | staggered (+ staggered optimizer)
     planner: str = "heuristic"  # heuristic (list scheduling) | milp (pulp/CBC, warm-started by the heuristic) | auto (MILP for small instances)
     plan_ahead: int = 2  # plan every failure configuration of up to this many failed nodes before training
+    normalise: str = "stage"  # stage (a plan per count of failed workers at each stage) | pipeline (per configuration up to renaming pipelines)
     milp_time_limit_s: float = 30.0  # CBC time limit per plan; the best plan found by then is used
     plan_cache: Optional[str] = "plan-cache"  # folder of cached plans inside the sweep folder (a single run: the run folder); null: memory only
     fallback: str = "none"  # none (no re-routing possible, or none fits in memory, ends the run) | checkpoint (restart from checkpoints)

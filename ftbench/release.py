@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from ftbench.schedule import B, BW, F, NO_MICROBATCH, OPT, W, Op
@@ -37,14 +37,30 @@ class Releases:
     starts: tuple[tuple[tuple[str, int, int], float], ...]  # ((kind, stage, micro-batch), fault-free start)
     period: float  # the fault-free iteration time: the slots repeat with it (staggered optimizer)
     orders: tuple[tuple[tuple[str, int], ...], ...] = ()  # per stage, pipeline 0's (kind, micro-batch) F/B/BW order
+    # ((grid worker, pipeline), ...): workers whose own micro-batches are another pipeline's (a
+    # plan renamed stage by stage, ftbench.planning.problem.Renaming); every other worker's are
+    # its own pipeline's
+    owners: tuple[tuple[int, int], ...] = ()
 
     @cached_property
     def _table(self) -> dict[tuple[str, int, int], float]:
         return dict(self.starts)
 
+    @cached_property
+    def _owners(self) -> dict[int, int]:
+        return dict(self.owners)
+
+    def with_owners(self, owners: dict[int, int]) -> "Releases":
+        """The same slots, with these workers running another pipeline's micro-batches as their own."""
+        return replace(self, owners=tuple(sorted(owners.items()))) if owners or self.owners else self
+
     def of(self, worker: int, op: Op) -> float | None:
         """When grid worker `worker` may start `op` at the earliest (None: whenever it can)."""
-        return self.of_position(divmod(worker, self.pp)[0], op)
+        if self.owners:
+            pipeline = self._owners.get(worker)
+            if pipeline is not None:
+                return self.of_position(pipeline, op)
+        return self.of_position(worker // self.pp, op)
 
     def of_position(self, pipeline: int, op: Op) -> float | None:
         """The same for the worker of `pipeline` (at op.stage)."""
@@ -64,8 +80,13 @@ class Releases:
         return tuple((F if kind == F else back, k) for kind, k in self.orders[stage])
 
     def key(self) -> str:
-        data = [self.pp, self.period, [[list(k), v] for k, v in self.starts], self.orders]
-        return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]
+        found = self.__dict__.get("_key")
+        if found is None:
+            data = [self.pp, self.period, [[list(k), v] for k, v in self.starts], self.orders]
+            if self.owners:  # (keys without owners stay as they were)
+                data.append(self.owners)
+            found = self.__dict__["_key"] = hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]
+        return found
 
 
 def releases_of(result, pp: int) -> Releases:

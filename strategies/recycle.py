@@ -48,7 +48,8 @@ from ftbench.placement import grid_nodes
 from ftbench.plan import Plan, grid_replicas
 from ftbench.release import releases_of
 from ftbench.planning.library import METHODS, PlanLibrary, forms_up_to
-from ftbench.planning.problem import PlanningError, normalise, problem_for
+from ftbench.planning.problem import (NORMALISE, PlanningError, Renaming, canonical_failed, form_of, problem_for,
+                                      rename_onto)
 from ftbench.schedule import NO_MICROBATCH, OPT, GridOps, Op, PartFlows, Schedule, grid_worker
 from ftbench.sim.simulator import simulate
 from ftbench.transfers import peer_copies
@@ -80,6 +81,10 @@ class ReCycle(CheckpointRestart):
         if cfg.milp_time_limit_s <= 0:
             raise ConfigError("strategy.milp_time_limit_s", f"must be positive, got {cfg.milp_time_limit_s}",
                               "give the MILP's time limit in seconds, e.g. 30")
+        if cfg.normalise not in NORMALISE:
+            raise ConfigError("strategy.normalise", f"unknown normalisation '{cfg.normalise}'",
+                              f"choose one of {', '.join(NORMALISE)}")
+        self.normalise = cfg.normalise
         self.fallback = cfg.fallback
         self.checkpoint_mode = FILE if self.fallback == "checkpoint" else None
         super().__init__(cfg, ctx)
@@ -107,8 +112,13 @@ class ReCycle(CheckpointRestart):
         self.releases = releases_of(timeline, cluster.pp)
         base = problem_for(self.ctx, cluster.pp, cluster.dp, cluster.gpus_per_node,
                            decoupled=self.level != "reroute", placement=cluster.placement, released=self.releases)
-        self.library = PlanLibrary(base, self.planner, self.cfg.milp_time_limit_s, self._plan_cache())
-        forms = forms_up_to(self.cfg.plan_ahead, cluster.pp, cluster.dp, cluster.gpus_per_node, cluster.placement)
+        self.library = PlanLibrary(base, self.planner, self.cfg.milp_time_limit_s, self._plan_cache(),
+                                   rank=self._layout_time)
+        # Per-stage forms rename workers stage by stage: only where no hop of a pipeline stays
+        # within a node (else a renamed hop could leave it, and the plan would time otherwise).
+        self.by = self.normalise if self.normalise == "pipeline" or not _hops_within_nodes(cluster) else "pipeline"
+        forms = forms_up_to(self.cfg.plan_ahead, cluster.pp, cluster.dp, cluster.gpus_per_node, cluster.placement,
+                            self.by)
         forms = forms[1:]  # the fault-free grid runs the configured schedule
         self.library.precompute(forms)
         self.planned_ahead = len(forms)
@@ -117,23 +127,40 @@ class ReCycle(CheckpointRestart):
 
     def _plan_for(self, cluster: Cluster) -> Plan:
         """The plan of the current failure set: the configured schedule's grid when nothing is
-        down, else the stored plan of the set's normal form, renamed onto the real pipelines,
-        with the fault-free slots as release times. Raises PlanningError when no plan fits in
-        memory."""
+        down, else the stored plan of the set's normal form, renamed onto the real workers
+        (ftbench.planning.problem.Renaming), with the fault-free slots as release times. Raises
+        PlanningError when no plan fits in memory."""
         if not self.failed:
             return dataclasses.replace(self.fault_free, name=f"recycle (fault-free, {self.fault_free.schedule.name})")
         pp, dp = cluster.pp, cluster.dp
-        form, order = normalise(self.failed, dp, pp)
-        stored = self.library.get(form)
-        ops = _grid_ops(stored, order, pp) if stored.shaped is not None else _listed_ops(stored, order, pp)
+        stored = self.library.get(form_of(self.failed, dp, pp, self.by))
+        return self._renamed(stored, rename_onto(self.failed, stored.form, dp, pp), f"{len(self.failed)} re-routed")
+
+    def _renamed(self, stored, renaming: Renaming, label: str) -> Plan:
+        """A stored plan on the real workers as `renaming` says."""
+        pp, dp = self.cluster.pp, self.cluster.dp
+        ops = _grid_ops(stored, renaming, pp) if stored.shaped is not None else _listed_ops(stored, renaming, pp)
+        owners = renaming.owners(pp)
         schedule = Schedule(ops, stages=(pp,) * dp, microbatches=(self.ctx.microbatches,) * dp,
-                            name=f"recycle-{self.level}", released=self.releases)
-        label = f"{len(self.failed)} re-routed"
+                            name=f"recycle-{self.level}", released=self.releases.with_owners(owners))
         replicas = grid_replicas(pp, dp)  # every survivor keeps (and steps) its own stage replica
-        nodes = grid_nodes(*cluster.layout, cluster.gpus_per_node, cluster.placement)  # cluster.node_of, per worker
+        holds = {w: replicas[w] for w in ops}
+        # (a worker renamed stage by stage steps its replica under the name of the pipeline whose
+        # micro-batches it runs as its own: the same layers, so the same state)
+        holds.update((w, ((d, w % pp),)) for w, d in owners.items())
+        nodes = grid_nodes(*self.cluster.layout, self.cluster.gpus_per_node, self.cluster.placement)  # per worker
         return Plan(schedule=schedule, partition=(self.ctx.cost_model.balanced_partition(pp),) * dp,
-                    holds={w: replicas[w] for w in ops}, node_of=dict(zip(ops, map(nodes.__getitem__, ops))),
+                    holds=holds, node_of=dict(zip(ops, map(nodes.__getitem__, ops))),
                     name=f"recycle-{self.level} ({label})", staggered_optimizer=self.level == "staggered")
+
+    def _layout_time(self, stored) -> float:
+        """A per-stage form's candidate layout's plan as the run times it (on its own canonical
+        workers, the run's costs and optimizer): how the library ranks layouts."""
+        pp, dp = self.cluster.pp, self.cluster.dp
+        identity = tuple(range(dp))
+        plan = self._renamed(stored, Renaming((identity,) * pp, identity, canonical_failed(stored.form)), "layout")
+        return simulate(plan.schedule, PlanCosts(self.ctx.cost_model, plan),
+                        staggered=plan.staggered_optimizer).iteration_time
 
     def nodes_in_use(self) -> set[int]:
         return set(self.current.node_of.values())
@@ -197,23 +224,32 @@ class ReCycle(CheckpointRestart):
         return self.on_failure(event, cluster, iteration)
 
 
-def _listed_ops(stored, order: list[int], pp: int) -> dict[int, list[Op]]:
-    """A stored plan's orders on the real pipelines (canonical pipeline i is order[i]), each
-    worker stepping its own stage replica last."""
-    ops = {}
+def _hops_within_nodes(cluster: Cluster) -> bool:
+    """Whether some pipeline passes activations between two stages on one node."""
+    nodes = grid_nodes(*cluster.layout, cluster.gpus_per_node, cluster.placement)
+    pp = cluster.pp
+    return any(nodes[w] == nodes[w + 1] for w in range(len(nodes) - 1) if (w + 1) % pp)
+
+
+def _listed_ops(stored, renaming: Renaming, pp: int) -> dict[int, list[Op]]:
+    """A stored plan's orders on the real workers (canonical position (i, s) is the worker of
+    real pipeline renaming.at[s][i], canonical pipeline i's micro-batches real pipeline
+    renaming.labels[i]'s), each worker stepping the stage replica it runs as its own last (the
+    replica of labels[i]: the same layers as its own pipeline's)."""
+    ops, at, label = {}, renaming.at, renaming.labels
     for (i, s), canonical in stored.orders.items():
-        d = order[i]
-        ops[grid_worker(d, s, pp)] = [op._replace(pipeline=order[op.pipeline]) for op in canonical] + \
-            [Op(OPT, s, NO_MICROBATCH, d)]
+        ops[grid_worker(at[s][i], s, pp)] = [op._replace(pipeline=label[op.pipeline]) for op in canonical] + \
+            [Op(OPT, s, NO_MICROBATCH, label[i])]
     return dict(sorted(ops.items()))
 
 
-def _grid_ops(stored, order: list[int], pp: int) -> GridOps:
+def _grid_ops(stored, renaming: Renaming, pp: int) -> GridOps:
     """The same from a plan kept per shape of part (ftbench.planning.parts): each shape's
     orders become bound templates, once, and each part only names its real flows
     (PartFlows), so a large grid's thousands of parts, re-routed or not, are never built op
     by op. Every worker steps its own stage replica last."""
     templates, of, members = [], {}, []
+    at, label = renaming.at, renaming.labels
     for shape, orders, parts in stored.shaped:
         ids = {}
         for pos, order_ in orders.items():
@@ -221,8 +257,8 @@ def _grid_ops(stored, order: list[int], pp: int) -> GridOps:
             templates.append(tuple((op.kind, op.stage, op.microbatch, op.pipeline) for op in order_)
                              + ((OPT, pos[1], NO_MICROBATCH, pos[0]),))
         for part in parts:
-            flows = PartFlows(tuple([order[i] for i in part.pipeline_of]), part.microbatches)
-            records = sorted((grid_worker(order[i], s, pp), ids[local]) for (i, s), local in part.local.items())
+            flows = PartFlows(tuple([label[i] for i in part.pipeline_of]), part.microbatches)
+            records = sorted((grid_worker(at[s][i], s, pp), ids[local]) for (i, s), local in part.local.items())
             of.update((w, (tid, flows)) for w, tid in records)
             members.append((flows, records))
     ops = GridOps(tuple(templates), dict(sorted(of.items())))

@@ -2,7 +2,9 @@
 
 ReCycle keeps the solver off the critical path: before training starts it plans every
 failure configuration up to a threshold of failed nodes (configurations that are equal up
-to renaming pipelines share one plan), so a failure only switches to a stored plan. Plans are
+to renaming pipelines share one plan; with per-stage forms, those with the same number of
+failed workers at each stage, ftbench.planning.problem.StageForm), so a failure only switches
+to a stored plan. Plans are
 JSON files named by a hash of everything they depend on (grid, micro-batches, op times,
 placement, failed positions, B/W split, planner and its version, MILP time limit), so a
 changed setting never reuses a stale plan.
@@ -26,8 +28,8 @@ from pathlib import Path
 
 from ftbench.placement import node_of, workers_on
 from ftbench.planning.heuristic import copy_shaped, list_schedule_shaped, list_schedule_timed
-from ftbench.planning.problem import (PlanningError, PlanningProblem, Position, canonical_failed,
-                                      normalise)
+from ftbench.planning.problem import (PlanningError, PlanningProblem, Position, StageForm, canonical_failed, form_of,
+                                      stage_layouts)
 from ftbench.schedule import Op
 
 METHODS = ("heuristic", "milp", "auto")
@@ -60,6 +62,7 @@ class StoredPlan:
     status: str = "heuristic"  # heuristic | optimal | feasible (MILP hit its time limit)
     cached: bool = False
     shaped: list | None = None  # heuristic: [(shape, its orders, its parts)] (ftbench.planning.parts)
+    form: tuple | None = None  # the pipeline normal form the orders are for (a per-stage form's chosen layout)
 
     @property
     def orders(self) -> dict[Position, list[Op]]:
@@ -77,14 +80,17 @@ class PlanLibrary:
     """Plans for failure configurations of one grid. `base` is the fault-free problem."""
 
     def __init__(self, base: PlanningProblem, method: str = "heuristic", milp_time_limit_s: float = 30.0,
-                 cache_dir: str | Path | None = None):
+                 cache_dir: str | Path | None = None, rank=None):
         if method not in METHODS:
             raise ValueError(f"unknown planner {method!r}")
         self.base, self.method, self.milp_time_limit_s = base, method, milp_time_limit_s
+        # how a per-stage form's layouts are compared (default: the planner's own iteration time)
+        self.rank = rank or (lambda plan: plan.iteration_s)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else None
         self._plans: OrderedDict[tuple, StoredPlan] = OrderedDict()
         self._kept_ops = 0
         self._infeasible: dict[tuple, PlanningError] = {}
+        self._chosen: dict[StageForm, tuple] = {}  # per-stage form -> the layout whose plan it uses
 
     def problem(self, form) -> PlanningProblem:
         return replace(self.base, failed=canonical_failed(form))
@@ -96,7 +102,11 @@ class PlanLibrary:
         return "milp" if ops <= AUTO_MILP_MAX_OPS else "heuristic"
 
     def get(self, form) -> StoredPlan:
-        """The plan of a normal form: from memory, from disk, or computed now (and stored)."""
+        """The plan of a normal form: from memory, from disk, or computed now (and stored). A
+        per-stage form (StageForm) gets the plan of its fastest layout (stage_layouts), each
+        planned as a pipeline form; `form` on the plan says which."""
+        if isinstance(form, StageForm):
+            return self._get_stage(form)
         if form in self._plans:
             self._plans.move_to_end(form)
             return self._plans[form]
@@ -116,8 +126,32 @@ class PlanLibrary:
             plan = self._compute(problem, method)
             if path is not None and plan.ops() <= STORE_MAX_OPS:
                 self._store(path, plan)
+        plan.form = form
         self._keep(form, plan)
         return plan
+
+    def _get_stage(self, form: StageForm) -> StoredPlan:
+        chosen = self._chosen.get(form)
+        if chosen is not None:
+            return self.get(chosen)
+        if form in self._infeasible:
+            raise self._infeasible[form]
+        best, best_time, error = None, math.inf, None
+        layouts = stage_layouts(form, self.base.dp)
+        for layout in layouts:
+            try:
+                plan = self.get(layout)
+            except PlanningError as err:
+                error = error or err
+                continue
+            time = self.rank(plan) if len(layouts) > 1 else 0.0
+            if time < best_time * (1 - 1e-12):
+                best, best_time = plan, time
+        if best is None:
+            self._infeasible[form] = error
+            raise error
+        self._chosen[form] = best.form
+        return best
 
     def _keep(self, form, plan: StoredPlan) -> None:
         self._plans[form] = plan
@@ -172,10 +206,12 @@ def _ops_of(problem: PlanningProblem) -> int:
     return problem.dp * problem.pp * problem.microbatches * (3 if problem.decoupled else 2)
 
 
-def forms_up_to(threshold: int, pp: int, dp: int, gpus_per_node: int, placement: str = "pipeline") -> list:
-    """Normal forms of every configuration of at most `threshold` failed nodes in which each
-    stage keeps a replica. Up to renaming pipelines, such a configuration fits in the first
-    few pipelines, so only nodes there are combined (not all C(nodes, k) sets)."""
+def forms_up_to(threshold: int, pp: int, dp: int, gpus_per_node: int, placement: str = "pipeline",
+                by: str = "pipeline") -> list:
+    """Normal forms (`by` "pipeline": renaming pipelines; "stage": per-stage counts) of every
+    configuration of at most `threshold` failed nodes in which each stage keeps a replica. Up to
+    renaming pipelines, such a configuration fits in the first few pipelines, so only nodes
+    there are combined (not all C(nodes, k) sets). Fewest failed workers first."""
     g = gpus_per_node
     if placement == "stage":  # a node spans g pipelines at one stage
         span = (threshold + 1) * g
@@ -183,13 +219,13 @@ def forms_up_to(threshold: int, pp: int, dp: int, gpus_per_node: int, placement:
         span = threshold * (math.ceil(g / pp) + 1) + math.lcm(pp, g) // pp
     pipelines = min(dp, span)
     nodes = sorted({node_of(d * pp + s, pp, dp, g, placement) for d in range(pipelines) for s in range(pp)})
-    forms = {normalise(set(), dp, pp)[0]}
+    forms = {form_of(set(), dp, pp, by)}
     for k in range(1, threshold + 1):
         for combo in itertools.combinations(nodes, k):
             failed = {divmod(w, pp) for n in combo for w in workers_on(n, pp, dp, g, placement) if w < dp * pp}
             if all(any((d, s) not in failed for d in range(dp)) for s in range(pp)):
-                forms.add(normalise(failed, dp, pp)[0])
-    return sorted(forms, key=lambda f: (sum(map(len, f)), f))
+                forms.add(form_of(failed, dp, pp, by))
+    return sorted(forms, key=lambda f: (len(canonical_failed(f)), f))
 
 
 def check_orders(problem: PlanningProblem, orders) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import math
 from itertools import repeat
@@ -344,8 +345,148 @@ def normalise(failed, dp: int, pp: int) -> tuple[tuple[tuple[int, ...], ...], li
     return tuple(by_pipeline[d] for d in order), order
 
 
-def canonical_failed(form: tuple[tuple[int, ...], ...]) -> frozenset:
+class StageForm(tuple):
+    """A failure configuration up to renaming the workers of each stage: its number of failed
+    workers per stage. The workers of a stage hold the same weights, so which pipelines lost
+    them is renamed away (ReCycle's "Failure Normalization" as we read it). Its plan is the
+    fastest of its layouts' (`stage_layouts`), renamed onto the real workers stage by stage
+    (`rename_onto`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"StageForm{tuple(self)}"
+
+
+NORMALISE = ("stage", "pipeline")  # strategy.normalise
+# A per-stage form is planned on every one of its layouts (pipeline forms with its counts) when it
+# has at most this many, found among at most LAYOUT_FAILURES failed workers; else on two: the
+# failures packed into the first pipelines, and spread one per pipeline.
+LAYOUT_LIMIT = 8
+LAYOUT_FAILURES = 6
+
+
+def stage_form(failed, pp: int) -> StageForm:
+    """The per-stage normal form of a failure configuration: failed workers per stage."""
+    counts = [0] * pp
+    for _, s in failed:
+        counts[s] += 1
+    return StageForm(counts)
+
+
+def form_of(failed, dp: int, pp: int, by: str = "stage"):
+    """The normal form of a failure configuration: `by` "stage" (stage_form) or "pipeline"
+    (normalise: renaming whole pipelines)."""
+    if by == "stage":
+        return stage_form(failed, pp)
+    if by != "pipeline":
+        raise ValueError(f"unknown normalisation {by!r}: choose one of {', '.join(NORMALISE)}")
+    return normalise(failed, dp, pp)[0]
+
+
+def stage_layouts(form: StageForm, dp: int) -> list[tuple[tuple[int, ...], ...]]:
+    """Pipeline normal forms with the per-stage counts `form`: all of them when there are at
+    most LAYOUT_LIMIT (and at most LAYOUT_FAILURES failed workers), else two: packed (stage s's
+    failures in pipelines 0 .. count - 1, so equal counts are whole failed pipelines) and spread
+    (each failure in a pipeline of its own, as far as dp allows). Packed first."""
+    pp = len(form)
+    packed = normalise({(i, s) for s, c in enumerate(form) for i in range(c)}, dp, pp)[0]
+    spread_set, nxt = set(), 0
+    for s, c in enumerate(form):
+        for _ in range(c):
+            while (nxt % dp, s) in spread_set:
+                nxt += 1
+            spread_set.add((nxt % dp, s))
+            nxt += 1
+    spread = normalise(spread_set, dp, pp)[0]
+    few = _every_layout(form, dp) if sum(form) <= LAYOUT_FAILURES else None
+    if few is None:
+        return list(dict.fromkeys((packed, spread)))
+    return [packed] + sorted(f for f in few if f != packed)
+
+
+def _every_layout(form: StageForm, dp: int):
+    """Every pipeline normal form with these counts, or None when there are more than LAYOUT_LIMIT."""
+    pp, found = len(form), set()
+
+    def place(s: int, sets: tuple) -> bool:
+        if s == pp:
+            found.add(normalise({(d, st) for d, stages in enumerate(sets) for st in stages}, dp, pp)[0])
+            return len(found) <= LAYOUT_LIMIT
+        c = form[s]
+        for fresh in range(c + 1):
+            old = c - fresh
+            if old > len(sets) or len(sets) + fresh > dp:
+                continue
+            for chosen in itertools.combinations(range(len(sets)), old):
+                grown = tuple(st + (s,) if i in chosen else st for i, st in enumerate(sets)) + ((s,),) * fresh
+                if not place(s + 1, tuple(sorted(grown))):
+                    return False
+        return True
+
+    return found if place(0, ()) else None
+
+
+@dataclass(frozen=True)
+class Renaming:
+    """A normal form's canonical grid on the real one: canonical position (i, s) is run by the
+    worker of real pipeline at[s][i] at stage s, and canonical pipeline i's micro-batches are real
+    pipeline labels[i]'s. Renaming pipelines uses one order at every stage; renaming stage by
+    stage may give a worker another pipeline's micro-batches as its own (`owners`)."""
+    at: tuple[tuple[int, ...], ...]  # per stage: canonical pipeline -> real pipeline of its worker
+    labels: tuple[int, ...]  # canonical pipeline -> the real pipeline its micro-batches belong to
+    failed: frozenset = frozenset()  # the canonical failed positions
+
+    def owners(self, pp: int) -> dict[int, int]:
+        """Grid worker -> the real pipeline whose micro-batches it runs as its own, for the
+        surviving workers where that is not the worker's own pipeline (release times follow it)."""
+        out = {}
+        labels, failed = self.labels, self.failed
+        for s, at in enumerate(self.at):
+            if at is labels:
+                continue  # renamed as a whole pipeline: every worker runs its own
+            for i, d in enumerate(at):
+                if labels[i] != d and (i, s) not in failed:
+                    out[grid_worker(d, s, pp)] = labels[i]
+        return out
+
+
+def rename_onto(failed, layout, dp: int, pp: int) -> Renaming:
+    """The Renaming of a plan made for the pipeline form `layout` onto the real failure set
+    `failed` with the same failed workers per stage. When `failed` has that pipeline form itself,
+    pipelines are renamed whole (normalise's order). Else stage by stage: canonical pipeline i's
+    micro-batches stay real pipeline i's, each canonical failed worker that is really alive
+    trades places with a real failed one that is canonically alive (in order), and every other
+    worker is itself."""
+    form, order = normalise(failed, dp, pp)
+    if form == layout:
+        order = tuple(order)
+        return Renaming((order,) * pp, order, canonical_failed(layout))
+    canonical = canonical_failed(layout)
+    down, up = defaultdict(set), defaultdict(set)
+    for d, s in failed:
+        down[s].add(d)
+    for i, s in canonical:
+        up[s].add(i)
+    identity = tuple(range(dp))
+    at = []
+    for s in range(pp):
+        if down[s] == up[s]:
+            at.append(identity)
+            continue
+        if len(down[s]) != len(up[s]):
+            raise ValueError(f"stage {s}: {len(down[s])} failed workers, but the layout has {len(up[s])}")
+        row = list(identity)
+        for i, d in zip(sorted(up[s] - down[s]), sorted(down[s] - up[s])):
+            row[i], row[d] = d, i
+        at.append(tuple(row))
+    return Renaming(tuple(at), identity, canonical)
+
+
+def canonical_failed(form) -> frozenset:
     """The failed positions of a normal form, with canonical pipeline ids."""
+    if isinstance(form, StageForm):
+        return frozenset((i, s) for s, count in enumerate(form) for i in range(count))
     return frozenset((i, s) for i, stages in enumerate(form) for s in stages)
 
 
