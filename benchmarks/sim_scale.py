@@ -25,8 +25,15 @@ first failure.
 374, at the chosen scale) and against GPUs (1,024, 4,096, 16,384: the 16k setup at dp 128, 512,
 2,048, 100 failures each).
 
+With recycle among the strategies, the run ends with ReCycle's normalisation check
+(ftbench/planning/normal_check.py; `--no-check` skips it): on the ReCycle table's grids (pp 4 x
+dp 4, pp 8 x dp 4, one GPU per node), every failure set of 1-3 failed workers, the plan of its
+per-stage normal form (strategy.normalise=stage, the default) against the plan of its pipeline
+normal form (renaming pipelines only), both renamed onto the real workers and simulated: one
+line per grid with the sets checked and the largest slow-down and speed-up.
+
     python benchmarks/sim_scale.py [--scale 1024|16k] [--gpus-per-node N] [--strategies a,b]
-                                   [--limit-s 600] [--growth] [extra Hydra overrides...]
+                                   [--limit-s 600] [--growth] [--no-check] [extra Hydra overrides...]
 
 Typical duration on 2 shared cores: 11-21 s at 1,024 GPUs, 3-4.5 min at 16k with 8 per node
 (recycle 1.5-3 min of it); with 1 GPU per node recycle runs to --limit-s (its planner schedules
@@ -179,6 +186,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--strategies", default=None, help="comma-separated (default: every registered one)")
     parser.add_argument("--limit-s", type=float, default=600.0, help="stop a strategy's run after this long")
     parser.add_argument("--growth", action="store_true", help="wall time against failures and against GPUs")
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip ReCycle's normalisation check (run when recycle is among the strategies)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args, extra = parser.parse_known_args(argv)
@@ -211,6 +220,19 @@ def main(argv: list[str]) -> None:
               "strategy's plans and decisions; RSS: the run's process at its peak.")
     if args.growth:
         growth(names, base, args.limit_s)
+    if "recycle" in names and not args.no_check:
+        normalisation_check()
+
+
+def normalisation_check() -> None:
+    """ReCycle's per-stage normal form against the pipeline form on the table's grids."""
+    from ftbench.planning.normal_check import check, summary
+
+    started = time.perf_counter()
+    print("\nReCycle's per-stage normal form (strategy.normalise=stage) against renaming pipelines only, every "
+          "failure set of 1-3 failed workers, one GPU per node (negative: the per-stage plan is faster):", flush=True)
+    print(summary(check()), flush=True)
+    print(f"(checked in {time.perf_counter() - started:.0f} s)", flush=True)
 
 
 def growth(names: list[str], base: list[str], limit_s: float) -> None:

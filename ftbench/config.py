@@ -150,6 +150,8 @@ class ReCycleConfig(CheckpointConfig):
     planner: str = "heuristic"  # heuristic (list scheduling) | milp (pulp/CBC, warm-started by the heuristic) | auto (MILP for small instances)
     plan_ahead: int = 2  # plan every failure configuration of up to this many failed nodes before training
     normalise: str = "stage"  # stage (a plan per count of failed workers at each stage) | pipeline (per configuration up to renaming pipelines)
+    plan_ahead_s: Optional[float] = 10.0  # at most this many seconds of planning ahead (fewest failures first); the rest is planned when a failure reaches it (null: no limit)
+    whole_above_ops: Optional[int] = 50000  # normalise=stage: where one failed worker's re-routed micro-batches would couple more ops than this, plan its most failed workers of a stage as whole failed pipelines (null: never)
     milp_time_limit_s: float = 30.0  # CBC time limit per plan; the best plan found by then is used
     plan_cache: Optional[str] = "plan-cache"  # folder of cached plans inside the sweep folder (a single run: the run folder); null: memory only
     fallback: str = "none"  # none (no re-routing possible, or none fits in memory, ends the run) | checkpoint (restart from checkpoints)

@@ -48,8 +48,8 @@ from ftbench.placement import grid_nodes
 from ftbench.plan import Plan, grid_replicas
 from ftbench.release import releases_of
 from ftbench.planning.library import METHODS, PlanLibrary, forms_up_to
-from ftbench.planning.problem import (NORMALISE, PlanningError, Renaming, canonical_failed, form_of, problem_for,
-                                      rename_onto)
+from ftbench.planning.problem import (NORMALISE, PlanningError, Renaming, canonical_failed, form_of, normalise,
+                                      problem_for, rename_onto)
 from ftbench.schedule import NO_MICROBATCH, OPT, GridOps, Op, PartFlows, Schedule, grid_worker
 from ftbench.sim.simulator import simulate
 from ftbench.transfers import peer_copies
@@ -84,6 +84,12 @@ class ReCycle(CheckpointRestart):
         if cfg.normalise not in NORMALISE:
             raise ConfigError("strategy.normalise", f"unknown normalisation '{cfg.normalise}'",
                               f"choose one of {', '.join(NORMALISE)}")
+        if cfg.plan_ahead_s is not None and cfg.plan_ahead_s < 0:
+            raise ConfigError("strategy.plan_ahead_s", f"must not be negative, got {cfg.plan_ahead_s}",
+                              "give the seconds of planning allowed before training (null: no limit)")
+        if cfg.whole_above_ops is not None and cfg.whole_above_ops < 1:
+            raise ConfigError("strategy.whole_above_ops", f"must be positive, got {cfg.whole_above_ops}",
+                              "give a number of ops, e.g. 50000 (null: never plan whole pipelines)")
         self.normalise = cfg.normalise
         self.fallback = cfg.fallback
         self.checkpoint_mode = FILE if self.fallback == "checkpoint" else None
@@ -117,11 +123,17 @@ class ReCycle(CheckpointRestart):
         # Per-stage forms rename workers stage by stage: only where no hop of a pipeline stays
         # within a node (else a renamed hop could leave it, and the plan would time otherwise).
         self.by = self.normalise if self.normalise == "pipeline" or not _hops_within_nodes(cluster) else "pipeline"
+        # Large grids: a failed worker's micro-batches would couple too many ops into one part
+        # (every peer that takes one of them): plan whole failed pipelines (see _whole_form).
+        limit = self.cfg.whole_above_ops
+        self.whole = self.by == "stage" and limit is not None and _coupled_ops(base) > limit
         forms = forms_up_to(self.cfg.plan_ahead, cluster.pp, cluster.dp, cluster.gpus_per_node, cluster.placement,
                             self.by)
-        forms = forms[1:]  # the fault-free grid runs the configured schedule
-        self.library.precompute(forms)
-        self.planned_ahead = len(forms)
+        if self.whole:
+            forms = sorted({_whole_form(max(form), cluster.dp, cluster.pp) for form in forms},
+                           key=lambda form: (len(canonical_failed(form)), form))
+        forms = [form for form in forms if canonical_failed(form)]  # the fault-free grid runs the configured schedule
+        self.planned_ahead = self.library.precompute(forms, budget_s=self.cfg.plan_ahead_s)
         self.current = self._plan_for(cluster)
         return self.current
 
@@ -133,13 +145,32 @@ class ReCycle(CheckpointRestart):
         if not self.failed:
             return dataclasses.replace(self.fault_free, name=f"recycle (fault-free, {self.fault_free.schedule.name})")
         pp, dp = cluster.pp, cluster.dp
-        stored = self.library.get(form_of(self.failed, dp, pp, self.by))
-        return self._renamed(stored, rename_onto(self.failed, stored.form, dp, pp), f"{len(self.failed)} re-routed")
+        label = f"{len(self.failed)} re-routed"
+        form = form_of(self.failed, dp, pp, self.by)
+        if not self.whole:
+            stored = self.library.get(form)
+            return self._renamed(stored, rename_onto(self.failed, stored.form, dp, pp), label)
+        # Whole pipelines: as many as the stage with the most failed workers has; at every other
+        # stage the first surviving workers make up the number, and idle (see _whole_form).
+        most = max(form)
+        stored = self.library.get(_whole_form(most, dp, pp))
+        down = set(self.failed)
+        for s, count in enumerate(form):
+            spare = (d for d in range(dp) if (d, s) not in self.failed)
+            down.update((next(spare), s) for _ in range(most - count))
+        return self._renamed(stored, rename_onto(down, stored.form, dp, pp), label, idle=down - self.failed)
 
-    def _renamed(self, stored, renaming: Renaming, label: str) -> Plan:
-        """A stored plan on the real workers as `renaming` says."""
+    def _renamed(self, stored, renaming: Renaming, label: str, idle=frozenset()) -> Plan:
+        """A stored plan on the real workers as `renaming` says; the `idle` (pipeline, stage)
+        positions, alive but canonically failed, only step their stage replica with the reduced
+        gradient (so that they hold the current weights whenever a later plan uses them)."""
         pp, dp = self.cluster.pp, self.cluster.dp
-        ops = _grid_ops(stored, renaming, pp) if stored.shaped is not None else _listed_ops(stored, renaming, pp)
+        idle_labels = {}  # grid worker -> the canonical pipeline whose replica it steps
+        if idle:
+            inverse = {s: {d: i for i, d in enumerate(renaming.at[s])} for s in {s for _, s in idle}}
+            idle_labels = {grid_worker(d, s, pp): renaming.labels[inverse[s][d]] for d, s in idle}
+        ops = _grid_ops(stored, renaming, pp, idle_labels) if stored.shaped is not None else \
+            _listed_ops(stored, renaming, pp, idle_labels)
         owners = renaming.owners(pp)
         schedule = Schedule(ops, stages=(pp,) * dp, microbatches=(self.ctx.microbatches,) * dp,
                             name=f"recycle-{self.level}", released=self.releases.with_owners(owners))
@@ -148,6 +179,7 @@ class ReCycle(CheckpointRestart):
         # (a worker renamed stage by stage steps its replica under the name of the pipeline whose
         # micro-batches it runs as its own: the same layers, so the same state)
         holds.update((w, ((d, w % pp),)) for w, d in owners.items())
+        holds.update((w, ((d, w % pp),)) for w, d in idle_labels.items())
         nodes = grid_nodes(*self.cluster.layout, self.cluster.gpus_per_node, self.cluster.placement)  # per worker
         return Plan(schedule=schedule, partition=(self.ctx.cost_model.balanced_partition(pp),) * dp,
                     holds=holds, node_of=dict(zip(ops, map(nodes.__getitem__, ops))),
@@ -231,7 +263,27 @@ def _hops_within_nodes(cluster: Cluster) -> bool:
     return any(nodes[w] == nodes[w + 1] for w in range(len(nodes) - 1) if (w + 1) % pp)
 
 
-def _listed_ops(stored, renaming: Renaming, pp: int) -> dict[int, list[Op]]:
+def _coupled_ops(problem) -> int:
+    """Ops of the part one failed worker's re-routed micro-batches couple at the most: its
+    pipeline and every peer that takes one of them (one per micro-batch, at most dp - 1)."""
+    m = problem.microbatches
+    return problem.pp * m * (1 + min(m, problem.dp - 1)) * (3 if problem.decoupled else 2)
+
+
+def _whole_form(failed_pipelines: int, dp: int, pp: int):
+    """The pipeline normal form of the first `failed_pipelines` pipelines lost whole.
+
+    With strategy.normalise=stage on a large grid (strategy.whole_above_ops), a failure
+    configuration whose stages lost at most k workers each is planned as k whole failed
+    pipelines: their micro-batches run whole on peer pipelines (parts of one pipeline each,
+    planned once per shape), and where a stage lost fewer than k, its first surviving workers
+    idle, stepping their replica with the reduced gradient. A failed worker's micro-batches alone
+    would couple its pipeline with every peer that takes one (sixty-five pipelines of ops to
+    schedule and simulate as one for each new configuration, at 64 micro-batches)."""
+    return normalise({(d, s) for d in range(failed_pipelines) for s in range(pp)}, dp, pp)[0]
+
+
+def _listed_ops(stored, renaming: Renaming, pp: int, idle: dict[int, int]) -> dict[int, list[Op]]:
     """A stored plan's orders on the real workers (canonical position (i, s) is the worker of
     real pipeline renaming.at[s][i], canonical pipeline i's micro-batches real pipeline
     renaming.labels[i]'s), each worker stepping the stage replica it runs as its own last (the
@@ -240,10 +292,11 @@ def _listed_ops(stored, renaming: Renaming, pp: int) -> dict[int, list[Op]]:
     for (i, s), canonical in stored.orders.items():
         ops[grid_worker(at[s][i], s, pp)] = [op._replace(pipeline=label[op.pipeline]) for op in canonical] + \
             [Op(OPT, s, NO_MICROBATCH, label[i])]
+    ops.update((w, [Op(OPT, w % pp, NO_MICROBATCH, d)]) for w, d in idle.items())  # idle workers only step
     return dict(sorted(ops.items()))
 
 
-def _grid_ops(stored, renaming: Renaming, pp: int) -> GridOps:
+def _grid_ops(stored, renaming: Renaming, pp: int, idle: dict[int, int]) -> GridOps:
     """The same from a plan kept per shape of part (ftbench.planning.parts): each shape's
     orders become bound templates, once, and each part only names its real flows
     (PartFlows), so a large grid's thousands of parts, re-routed or not, are never built op
@@ -261,6 +314,15 @@ def _grid_ops(stored, renaming: Renaming, pp: int) -> GridOps:
             records = sorted((grid_worker(at[s][i], s, pp), ids[local]) for (i, s), local in part.local.items())
             of.update((w, (tid, flows)) for w, tid in records)
             members.append((flows, records))
+    steps = {}  # an idle worker's template, per stage: its step alone, a part of its own
+    for w, d in idle.items():
+        s = w % pp
+        if s not in steps:
+            steps[s] = len(templates)
+            templates.append(((OPT, s, NO_MICROBATCH, 0),))
+        flows = PartFlows((d,), ((),))
+        of[w] = (steps[s], flows)
+        members.append((flows, [(w, steps[s])]))
     ops = GridOps(tuple(templates), dict(sorted(of.items())))
     members.sort(key=lambda part: part[1][0][0])
     ops.set_parts(members)  # what GridOps.parts would find, known here already

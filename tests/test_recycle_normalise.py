@@ -84,3 +84,48 @@ def test_a_plan_renamed_stage_by_stage_trains_the_fault_free_model(tmp_path, mon
               "failures.events=[{iteration:4,node:1},{iteration:4,node:6}]")  # (0, 1) and (1, 2): pp 4, one GPU per node
     s = assert_matches_fault_free(tmp_path, faults=faults)
     assert s["failures"] == 2
+
+
+@pytest.mark.parametrize("events", [
+    "[{iteration:3,node:1},{iteration:5,node:6}]",  # (0, 1), then (1, 2): one whole pipeline, idle workers
+    "[{iteration:3,node:1},{iteration:5,node:5},{iteration:7,node:1,kind:join}]",  # two then back to one
+])
+def test_whole_failed_pipelines_with_idle_workers_train_the_fault_free_model(tmp_path, events):
+    # strategy.whole_above_ops=1: every configuration planned as whole failed pipelines; the
+    # workers of those pipelines that are alive idle, stepping with the reduced gradient, and
+    # take up work again in later plans with the current weights.
+    faults = ("strategy=recycle", "strategy.plan_cache=null", "strategy.whole_above_ops=1", "failures=scripted",
+              f"failures.events={events}")
+    s = assert_matches_fault_free(tmp_path, setup=("cluster.dp=3",), faults=faults)
+    assert s["failures"] == 2
+
+
+def test_whole_failed_pipelines_simulate_alike_deduplicated_or_not():
+    from conftest import compose
+    from ftbench.cluster import Cluster
+    from ftbench.context import RunContext
+    from ftbench.costs import PlanCosts
+    from ftbench.failures import FailureEvent
+    from ftbench.schedule import check_coverage, validate
+    from ftbench.sim.simulator import simulate
+    from ftbench.strategies import build_strategy
+
+    cfg = compose("backend=sim", "model=gpt3-medium", "strategy=recycle", "strategy.plan_cache=null",
+                  "strategy.whole_above_ops=1", "cluster.pp=4", "cluster.dp=6", "train.microbatches=8")
+    ctx, cluster = RunContext.from_config(cfg), Cluster.from_config(cfg.cluster)
+    strategy = build_strategy(cfg.strategy, ctx)
+    strategy.plan(cluster)
+    assert strategy.whole
+    idle_counts = []
+    for node in (5, 14, 3, 22):  # (1, 1), (3, 2), (0, 3), (5, 2)
+        cluster.fail(node)
+        plan = strategy.on_event(FailureEvent(node, iteration=1), cluster, 1).plan
+        validate(plan.schedule)
+        check_coverage(plan.schedule)
+        assert node not in plan.schedule.ops
+        idle_counts.append(sum(len(plan.schedule.ops.read(w)) == 1 for w in plan.schedule.ops))
+        fast = simulate(plan.schedule, PlanCosts(ctx.cost_model, plan), staggered=True)
+        full = simulate(plan.schedule, PlanCosts(ctx.cost_model, plan), staggered=True, dedupe=False)
+        assert fast.iteration_time == full.iteration_time and fast.busy == full.busy
+        assert fast.peak_memory_bytes == full.peak_memory_bytes
+    assert idle_counts == [3, 2, 1, 4]  # 1 whole pipeline (3 idle), 1 (2), 1 (1), then 2 (4)

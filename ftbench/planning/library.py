@@ -188,16 +188,23 @@ class PlanLibrary:
         shaped, iteration_s = list_schedule_shaped(problem)
         return StoredPlan(None, "heuristic", iteration_s, time.perf_counter() - started, shaped=shaped)
 
-    def precompute(self, forms, progress=None) -> None:
-        """Plan every form now; a form with no plan that fits is remembered, and `get` raises
-        its PlanningError when a failure reaches it."""
+    def precompute(self, forms, progress=None, budget_s: float | None = None) -> int:
+        """Plan the forms now, in order, until `budget_s` seconds have gone into it (None: every
+        one); the others are planned when `get` first asks. A form with no plan that fits is
+        remembered, and `get` raises its PlanningError when a failure reaches it. Returns how
+        many forms were planned."""
+        started, done = time.perf_counter(), 0
         for form in forms:
+            if budget_s is not None and time.perf_counter() - started >= budget_s:
+                break
             try:
                 self.get(form)
             except PlanningError as error:
                 self._infeasible[form] = error
+            done += 1
             if progress is not None:
                 progress()
+        return done
 
 
 def _ops_of(problem: PlanningProblem) -> int:
