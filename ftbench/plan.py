@@ -69,6 +69,21 @@ class PipelinesLayout:
         return self.changed if self.parent is not None and self.parent() is earlier else None
 
 
+@dataclass(eq=False)
+class SameTiming:
+    """Says that a plan times out as `reference` does, worker w as to_reference(w): the same
+    iteration time and per-worker figures (ftbench.sim.cache). It holds for the plan whose
+    schedule, holds and node_of it was made with, and is ignored once one of them is replaced."""
+    reference: "Plan"
+    to_reference: object  # callable: the plan's worker -> the reference's
+    schedule: object
+    holds: object
+    node_of: object
+
+    def applies_to(self, plan: "Plan") -> bool:
+        return plan.schedule is self.schedule and plan.holds is self.holds and plan.node_of is self.node_of
+
+
 @dataclass
 class Plan:
     schedule: Schedule
@@ -80,6 +95,9 @@ class Plan:
     # Boundaries whose tensors are logged (Swift): (pipeline, s) is the edge between stages s
     # and s + 1 of that pipeline, both ways (s's activations, s + 1's input gradients).
     logged: frozenset = frozenset()
+    # SameTiming: a plan that times out exactly as this one, worker for worker renamed (ReCycle's
+    # plans renamed onto the real workers); the simulator's cache times that one once instead
+    same_timing: object = field(default=None, repr=False, compare=False)
     _key: tuple | None = field(default=None, repr=False, compare=False)
     _grid: GridLayout | None = field(default=None, repr=False, compare=False)  # see grid()
     _pipelines: PipelinesLayout | None = field(default=None, repr=False, compare=False)  # see pipelines()

@@ -45,7 +45,7 @@ from ftbench.errors import ConfigError
 from ftbench.folders import inside, relative_setting
 from ftbench.failures import FailureEvent
 from ftbench.placement import grid_nodes
-from ftbench.plan import Plan, grid_replicas
+from ftbench.plan import Plan, SameTiming, grid_replicas
 from ftbench.release import releases_of
 from ftbench.planning.library import METHODS, PlanLibrary, forms_up_to
 from ftbench.planning.problem import (NORMALISE, PlanningError, Renaming, canonical_failed, form_of, normalise,
@@ -97,6 +97,7 @@ class ReCycle(CheckpointRestart):
         self.failed: set[tuple[int, int]] = set()  # failed grid positions (pipeline, stage)
         self.library: PlanLibrary | None = None
         self.planned_ahead = 0
+        self._references: dict = {}  # whole-pipeline form -> (its stored plan, its reference plan)
 
     def _needs_mtbf(self) -> bool:
         return self.fallback == "checkpoint"
@@ -158,7 +159,38 @@ class ReCycle(CheckpointRestart):
         for s, count in enumerate(form):
             spare = (d for d in range(dp) if (d, s) not in self.failed)
             down.update((next(spare), s) for _ in range(most - count))
-        return self._renamed(stored, rename_onto(down, stored.form, dp, pp), label, idle=down - self.failed)
+        renaming = rename_onto(down, stored.form, dp, pp)
+        plan = self._renamed(stored, renaming, label, idle=down - self.failed)
+        # Every such plan of `most` whole pipelines times out as one reference, renamed: each
+        # hop leaves its node (one GPU per node), the all-reduces count the workers that make
+        # gradients (the same number), and an idle worker's step ends no later than those of the
+        # workers of its stage that run ops. So the simulator times the reference once.
+        inverse = [None] * pp  # per stage: real pipeline -> canonical
+
+        def to_reference(w: int, at=renaming.at) -> int:
+            d, s = divmod(w, pp)
+            if inverse[s] is None:
+                inverse[s] = {real: i for i, real in enumerate(at[s])}
+            return inverse[s][d] * pp + s
+
+        plan.same_timing = SameTiming(self._reference(stored, most), to_reference, plan.schedule, plan.holds,
+                                      plan.node_of)
+        return plan
+
+    def _reference(self, stored, most: int) -> Plan:
+        """The plan of `most` whole failed pipelines on the canonical workers, every one of
+        theirs idle: the reference its renamings time out as (kept for the last few counts)."""
+        found = self._references.get(stored.form)
+        if found is None or found[0] is not stored:
+            pp, dp = self.cluster.pp, self.cluster.dp
+            identity = tuple(range(dp))
+            dead = canonical_failed(stored.form)
+            plan = self._renamed(stored, Renaming((identity,) * pp, identity, dead), f"{most} whole pipelines",
+                                 idle=dead)
+            found = self._references[stored.form] = (stored, plan)
+            while len(self._references) > 4:
+                self._references.pop(next(iter(self._references)))
+        return found[1]
 
     def _renamed(self, stored, renaming: Renaming, label: str, idle=frozenset()) -> Plan:
         """A stored plan on the real workers as `renaming` says; the `idle` (pipeline, stage)

@@ -100,13 +100,14 @@ def test_whole_failed_pipelines_with_idle_workers_train_the_fault_free_model(tmp
     assert s["failures"] == 2
 
 
-def test_whole_failed_pipelines_simulate_alike_deduplicated_or_not():
+def test_whole_failed_pipelines_simulate_alike_deduplicated_or_not_and_renamed():
     from conftest import compose
     from ftbench.cluster import Cluster
     from ftbench.context import RunContext
     from ftbench.costs import PlanCosts
     from ftbench.failures import FailureEvent
     from ftbench.schedule import check_coverage, validate
+    from ftbench.sim.cache import SimCache
     from ftbench.sim.simulator import simulate
     from ftbench.strategies import build_strategy
 
@@ -116,6 +117,7 @@ def test_whole_failed_pipelines_simulate_alike_deduplicated_or_not():
     strategy = build_strategy(cfg.strategy, ctx)
     strategy.plan(cluster)
     assert strategy.whole
+    cache = SimCache(ctx.cost_model)
     idle_counts = []
     for node in (5, 14, 3, 22):  # (1, 1), (3, 2), (0, 3), (5, 2)
         cluster.fail(node)
@@ -128,4 +130,13 @@ def test_whole_failed_pipelines_simulate_alike_deduplicated_or_not():
         full = simulate(plan.schedule, PlanCosts(ctx.cost_model, plan), staggered=True, dedupe=False)
         assert fast.iteration_time == full.iteration_time and fast.busy == full.busy
         assert fast.peak_memory_bytes == full.peak_memory_bytes
+        # The run's cache times the plan from its reference (Plan.same_timing), renamed: the same figures.
+        cached = cache(plan)
+        assert type(cached).__name__ == "RenamedResult"
+        assert cached.iteration_time == full.iteration_time
+        for name in ("busy", "peak_memory_bytes", "peak_stash", "peak_activation_bytes"):
+            assert getattr(cached, name) == getattr(full, name), name
+        assert cached.peak_columns() == (list(full.peak_memory_bytes), list(full.peak_memory_bytes.values()))
+        assert sorted(cached.ops) == sorted(full.ops)
     assert idle_counts == [3, 2, 1, 4]  # 1 whole pipeline (3 idle), 1 (2), 1 (1), then 2 (4)
+    assert cache.distinct_plans == 2  # one reference per count of whole pipelines

@@ -237,7 +237,7 @@ def test_the_scale_benchmark_measures_each_strategy_in_its_own_process_and_stops
     done = sim_scale.measure("checkpoint", base + ["train.max_hours=24"], limit_s=120)
     assert done["status"] == "ok" and not done["stopped"] and done["iterations"] > 0
     assert 0 < done["rss_gb"] < 4 and done["sim_s"] >= 0 and done["strategy_s"] >= 0
-    # ReCycle with one GPU per node plans ahead for minutes: stopped, its summary kept
-    cut = sim_scale.measure("recycle", base + ["cluster.gpus_per_node=1"], limit_s=8)
+    # ReCycle at 16,384 GPUs, one per node, runs for minutes (3,000 failures): stopped, its summary kept
+    cut = sim_scale.measure("recycle", ["experiment=sim-6.7b-16k", *base[1:], "cluster.gpus_per_node=1"], limit_s=8)
     assert cut["stopped"] and cut["status"] == "interrupted" and "SIGTERM" in cut["error"], cut.get("error")
     assert "stopped at" in sim_scale.row("recycle", cut)

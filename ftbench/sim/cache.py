@@ -10,7 +10,7 @@ from ftbench.costs import PlanCosts
 from ftbench.plan import Plan
 from ftbench.recovery_costs import logging_stall_s
 from ftbench.schedule import check_coverage, key_bytes
-from ftbench.sim.grid import GridTimer
+from ftbench.sim.grid import ComposedResult, GridTimer
 from ftbench.sim.pipelines import PipelinesTimer
 from ftbench.sim.simulator import SimResult, simulate
 
@@ -38,6 +38,14 @@ class SimCache:
         if hit is not None and hit[0] is plan:
             self._by_id.move_to_end(id(plan))
             return hit[1]
+        same = plan.same_timing
+        if self.enabled and same is not None and same.applies_to(plan):
+            # a renaming of a plan already checked and timed (its reference): its figures renamed
+            result = RenamedResult(plan, self.cost_model, self(same.reference), same.to_reference)
+            self._by_id[id(plan)] = (plan, result)
+            while len(self._by_id) > KEEP_PLANS:
+                self._by_id.popitem(last=False)
+            return result
         key = plan.key() if self.enabled else None
         result = self._results.get(key) if self.enabled else None
         if result is None:
@@ -70,6 +78,41 @@ class SimCache:
     @property
     def distinct_plans(self) -> int:
         return len(self._seen) if self.enabled else self.simulations
+
+
+class RenamedResult(ComposedResult):
+    """A plan's SimResult from its reference's (Plan.same_timing): the same iteration time,
+    each worker's figures its reference worker's (dicts made when first read), op and
+    all-reduce rows from simulating the plan itself when first read."""
+
+    def __init__(self, plan: Plan, cost_model, reference: SimResult, to_reference):
+        self.iteration_time = reference.iteration_time
+        self.schedule = plan.schedule
+        self.worker_count = len(plan.schedule.ops)
+        self._plan, self._model, self._reference, self._to = plan, cost_model, reference, to_reference
+        self._dicts: dict[str, dict] = {}
+        self._whole: SimResult | None = None
+
+    def _per_worker(self, name: str) -> dict:
+        found = self._dicts.get(name)
+        if found is None:
+            workers = list(self.schedule.ops)
+            found = self._dicts[name] = dict(zip(workers, map(getattr(self._reference, name).__getitem__,
+                                                              map(self._to, workers))))
+        return found
+
+    def whole(self) -> SimResult:
+        """The plan itself simulated (its rows), with its own optimizer (staggered or not)."""
+        if self._whole is None:
+            self._whole = simulate(self.schedule, PlanCosts(self._model, self._plan),
+                                   staggered=self._plan.staggered_optimizer)
+        return self._whole
+
+    def peak_columns(self) -> tuple[list[int], list[float]]:
+        """(workers, peak_memory_bytes of each), without making the dict."""
+        workers = list(self.schedule.ops)
+        peaks = self._reference.peak_memory_bytes
+        return workers, list(map(peaks.__getitem__, map(self._to, workers)))
 
 
 def _workers(result: SimResult) -> int:
