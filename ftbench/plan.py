@@ -71,11 +71,13 @@ class PipelinesLayout:
 
 @dataclass(eq=False)
 class SameTiming:
-    """Says that a plan times out as `reference` does, worker w as to_reference(w): the same
-    iteration time and per-worker figures (ftbench.sim.cache). It holds for the plan whose
-    schedule, holds and node_of it was made with, and is ignored once one of them is replaced."""
+    """Says that a plan times out as `reference` does, its worker w as the reference's worker
+    renamed.get(w, w): the same iteration time and per-worker figures (ftbench.sim.cache). The
+    plan's workers are the reference's but `absent`, in the same order. It holds for the plan
+    whose schedule, holds and node_of it was made with, and is ignored once one is replaced."""
     reference: "Plan"
-    to_reference: object  # callable: the plan's worker -> the reference's
+    renamed: dict  # the plan's worker -> the reference's, where they differ
+    absent: frozenset  # the reference's workers that the plan does not have
     schedule: object
     holds: object
     node_of: object

@@ -37,6 +37,7 @@ so stepping each stage as soon as its all-reduce ends is exactly the synchronous
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 
 from ftbench.actions import FILE, Rendezvous, SyncFromPeers
 from ftbench.cluster import Cluster
@@ -97,7 +98,7 @@ class ReCycle(CheckpointRestart):
         self.failed: set[tuple[int, int]] = set()  # failed grid positions (pipeline, stage)
         self.library: PlanLibrary | None = None
         self.planned_ahead = 0
-        self._references: dict = {}  # whole-pipeline form -> (its stored plan, its reference plan)
+        self._references: dict = {}  # whole-pipeline form -> its _Reference
 
     def _needs_mtbf(self) -> bool:
         return self.fallback == "checkpoint"
@@ -151,46 +152,79 @@ class ReCycle(CheckpointRestart):
         if not self.whole:
             stored = self.library.get(form)
             return self._renamed(stored, rename_onto(self.failed, stored.form, dp, pp), label)
-        # Whole pipelines: as many as the stage with the most failed workers has; at every other
-        # stage the first surviving workers make up the number, and idle (see _whole_form).
-        most = max(form)
-        stored = self.library.get(_whole_form(most, dp, pp))
-        down = set(self.failed)
-        for s, count in enumerate(form):
-            spare = (d for d in range(dp) if (d, s) not in self.failed)
-            down.update((next(spare), s) for _ in range(most - count))
-        renaming = rename_onto(down, stored.form, dp, pp)
-        plan = self._renamed(stored, renaming, label, idle=down - self.failed)
-        # Every such plan of `most` whole pipelines times out as one reference, renamed: each
-        # hop leaves its node (one GPU per node), the all-reduces count the workers that make
-        # gradients (the same number), and an idle worker's step ends no later than those of the
-        # workers of its stage that run ops. So the simulator times the reference once.
-        inverse = [None] * pp  # per stage: real pipeline -> canonical
+        # Whole pipelines: as many as the stage with the most failed workers has (see _whole_form).
+        return self._whole_plan(self.library.get(_whole_form(max(form), dp, pp)), max(form), label)
 
-        def to_reference(w: int, at=renaming.at) -> int:
-            d, s = divmod(w, pp)
-            if inverse[s] is None:
-                inverse[s] = {real: i for i, real in enumerate(at[s])}
-            return inverse[s][d] * pp + s
-
-        plan.same_timing = SameTiming(self._reference(stored, most), to_reference, plan.schedule, plan.holds,
-                                      plan.node_of)
+    def _whole_plan(self, stored, most: int, label: str) -> Plan:
+        """The plan of `most` whole failed pipelines (canonically pipelines 0 .. most - 1) on
+        the real failure set: at each stage a real failed worker beyond them trades places with
+        a canonically failed one that is alive (in order), and the alive ones left over among
+        them idle, stepping their replica. Every such plan times out as one reference, renamed
+        (Plan.same_timing): each hop leaves its node (one GPU per node), each all-reduce counts
+        the workers that make gradients (the same number), and an idle worker's step ends no
+        later than those of its stage's workers that run ops. So the simulator times the
+        reference once, and each plan is the reference's, patched where workers moved."""
+        pp = self.cluster.pp
+        ref = self._reference(stored, most)
+        ops, holds, node_of = ref.plan.schedule.ops, ref.plan.holds, ref.plan.node_of
+        down = defaultdict(list)
+        for d, s in self.failed:
+            down[s].append(d)
+        renamed, owners, absent = {}, {}, set()
+        edited: dict[int, list] = {}  # reference part index -> its records renamed (None: dropped)
+        for s, failed in down.items():
+            absent.update(d * pp + s for d in failed)
+            lost = set(failed)
+            free = [i for i in range(most) if i not in lost]  # canonically failed, alive
+            beyond = sorted(d for d in failed if d >= most)  # failed, canonically alive
+            for i, d in zip(free, beyond):  # real worker i runs canonical pipeline d's work
+                w, r = i * pp + s, d * pp + s
+                renamed[w], owners[w] = r, d
+            for d in failed:
+                if d < most:  # an idle worker of the reference that is failed
+                    edited[ref.part_of[d * pp + s]] = None
+            for i, d in zip(free, beyond):
+                edited[ref.part_of[i * pp + s]] = None  # its idle part: it runs d's work instead
+        moved = {r: w for w, r in renamed.items()}
+        for r in moved:
+            k = ref.part_of[r]
+            if k not in edited:
+                edited[k] = sorted((moved.get(x, x), tid) for x, tid in ref.members[k][1])
+        of = dict(ops.of)
+        of.update((w, ops.of[r]) for w, r in renamed.items())
+        for w in absent:
+            del of[w]
+        members = [part if k not in edited else (part[0], edited[k]) for k, part in enumerate(ref.members)
+                   if k not in edited or edited[k] is not None]
+        members.sort(key=lambda part: part[1][0][0])
+        grid = GridOps(ops.templates, of)
+        grid.set_parts(members)
+        holds = dict(holds)
+        holds.update((w, holds[r]) for w, r in renamed.items())
+        node_of = dict(node_of)
+        for w in absent:
+            del holds[w], node_of[w]
+        schedule = Schedule(grid, stages=ref.plan.schedule.stages, microbatches=ref.plan.schedule.microbatches,
+                            name=ref.plan.schedule.name, released=self.releases.with_owners(owners))
+        plan = Plan(schedule=schedule, partition=ref.plan.partition, holds=holds, node_of=node_of,
+                    name=f"recycle-{self.level} ({label})", staggered_optimizer=ref.plan.staggered_optimizer)
+        plan.same_timing = SameTiming(ref.plan, renamed, frozenset(absent), schedule, holds, node_of)
         return plan
 
-    def _reference(self, stored, most: int) -> Plan:
+    def _reference(self, stored, most: int) -> "_Reference":
         """The plan of `most` whole failed pipelines on the canonical workers, every one of
         theirs idle: the reference its renamings time out as (kept for the last few counts)."""
         found = self._references.get(stored.form)
-        if found is None or found[0] is not stored:
+        if found is None or found.stored is not stored:
             pp, dp = self.cluster.pp, self.cluster.dp
             identity = tuple(range(dp))
             dead = canonical_failed(stored.form)
             plan = self._renamed(stored, Renaming((identity,) * pp, identity, dead), f"{most} whole pipelines",
                                  idle=dead)
-            found = self._references[stored.form] = (stored, plan)
+            found = self._references[stored.form] = _Reference(stored, plan)
             while len(self._references) > 4:
                 self._references.pop(next(iter(self._references)))
-        return found[1]
+        return found
 
     def _renamed(self, stored, renaming: Renaming, label: str, idle=frozenset()) -> Plan:
         """A stored plan on the real workers as `renaming` says; the `idle` (pipeline, stage)
@@ -293,6 +327,16 @@ def _hops_within_nodes(cluster: Cluster) -> bool:
     nodes = grid_nodes(*cluster.layout, cluster.gpus_per_node, cluster.placement)
     pp = cluster.pp
     return any(nodes[w] == nodes[w + 1] for w in range(len(nodes) - 1) if (w + 1) % pp)
+
+
+class _Reference:
+    """A reference plan of whole failed pipelines (ReCycle._reference), with where each of its
+    workers' part is in its parts list."""
+
+    def __init__(self, stored, plan: Plan):
+        self.stored, self.plan = stored, plan
+        self.members = plan.schedule.ops.parts()
+        self.part_of = {w: k for k, (_, records) in enumerate(self.members) for w, _ in records}
 
 
 def _coupled_ops(problem) -> int:

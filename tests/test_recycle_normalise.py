@@ -140,3 +140,45 @@ def test_whole_failed_pipelines_simulate_alike_deduplicated_or_not_and_renamed()
         assert sorted(cached.ops) == sorted(full.ops)
     assert idle_counts == [3, 2, 1, 4]  # 1 whole pipeline (3 idle), 1 (2), 1 (1), then 2 (4)
     assert cache.distinct_plans == 2  # one reference per count of whole pipelines
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_whole_pipeline_plans_patched_from_their_reference_time_as_simulated(seed):
+    # Random failures and rejoins on pp 4 x dp 8: each plan, patched from its reference where
+    # workers moved, is a valid schedule and its cached figures are those of simulating it.
+    from conftest import compose
+    from ftbench.cluster import Cluster
+    from ftbench.context import RunContext
+    from ftbench.costs import PlanCosts
+    from ftbench.failures import FailureEvent
+    from ftbench.schedule import check_coverage, validate
+    from ftbench.sim.cache import SimCache
+    from ftbench.sim.simulator import simulate
+    from ftbench.strategies import build_strategy
+
+    cfg = compose("backend=sim", "model=gpt3-medium", "strategy=recycle", "strategy.plan_cache=null",
+                  "strategy.whole_above_ops=1", "cluster.pp=4", "cluster.dp=8", "train.microbatches=8")
+    ctx, cluster = RunContext.from_config(cfg), Cluster.from_config(cfg.cluster)
+    strategy = build_strategy(cfg.strategy, ctx)
+    strategy.plan(cluster)
+    cache, rng, down = SimCache(ctx.cost_model), random.Random(seed), []
+    for _ in range(10):
+        if down and rng.random() < 0.3:
+            node = down.pop(rng.randrange(len(down)))
+            cluster.join(node)
+            recovery = strategy.on_event(FailureEvent(node, iteration=1, kind="join"), cluster, 1)
+        else:
+            node = rng.choice([n for n in range(32) if n not in down])
+            cluster.fail(node)
+            recovery = strategy.on_event(FailureEvent(node, iteration=1), cluster, 1)
+            if recovery.unrecoverable:
+                break
+            down.append(node)
+        plan = recovery.plan or strategy.current
+        validate(plan.schedule)
+        check_coverage(plan.schedule)
+        full = simulate(plan.schedule, PlanCosts(ctx.cost_model, plan), staggered=plan.staggered_optimizer)
+        cached = cache(plan)
+        assert cached.iteration_time == full.iteration_time
+        for name in ("busy", "peak_memory_bytes", "peak_stash"):
+            assert getattr(cached, name) == getattr(full, name), name

@@ -41,7 +41,7 @@ class SimCache:
         same = plan.same_timing
         if self.enabled and same is not None and same.applies_to(plan):
             # a renaming of a plan already checked and timed (its reference): its figures renamed
-            result = RenamedResult(plan, self.cost_model, self(same.reference), same.to_reference)
+            result = RenamedResult(plan, self.cost_model, self(same.reference), same)
             self._by_id[id(plan)] = (plan, result)
             while len(self._by_id) > KEEP_PLANS:
                 self._by_id.popitem(last=False)
@@ -82,23 +82,27 @@ class SimCache:
 
 class RenamedResult(ComposedResult):
     """A plan's SimResult from its reference's (Plan.same_timing): the same iteration time,
-    each worker's figures its reference worker's (dicts made when first read), op and
-    all-reduce rows from simulating the plan itself when first read."""
+    each worker's figures its reference worker's (dicts made when first read, as copies of the
+    reference's with the renamed and absent workers changed), op and all-reduce rows from
+    simulating the plan itself when first read."""
 
-    def __init__(self, plan: Plan, cost_model, reference: SimResult, to_reference):
+    def __init__(self, plan: Plan, cost_model, reference: SimResult, same):
         self.iteration_time = reference.iteration_time
         self.schedule = plan.schedule
         self.worker_count = len(plan.schedule.ops)
-        self._plan, self._model, self._reference, self._to = plan, cost_model, reference, to_reference
+        self._plan, self._model, self._reference, self._same = plan, cost_model, reference, same
         self._dicts: dict[str, dict] = {}
         self._whole: SimResult | None = None
 
     def _per_worker(self, name: str) -> dict:
         found = self._dicts.get(name)
         if found is None:
-            workers = list(self.schedule.ops)
-            found = self._dicts[name] = dict(zip(workers, map(getattr(self._reference, name).__getitem__,
-                                                              map(self._to, workers))))
+            values = getattr(self._reference, name)
+            found = dict(values)  # the reference's workers, in its order
+            found.update((w, values[r]) for w, r in self._same.renamed.items())
+            for w in self._same.absent:
+                del found[w]
+            self._dicts[name] = found
         return found
 
     def whole(self) -> SimResult:
@@ -109,10 +113,9 @@ class RenamedResult(ComposedResult):
         return self._whole
 
     def peak_columns(self) -> tuple[list[int], list[float]]:
-        """(workers, peak_memory_bytes of each), without making the dict."""
-        workers = list(self.schedule.ops)
-        peaks = self._reference.peak_memory_bytes
-        return workers, list(map(peaks.__getitem__, map(self._to, workers)))
+        """(workers, peak_memory_bytes of each)."""
+        peaks = self._per_worker("peak_memory_bytes")
+        return list(peaks), list(peaks.values())
 
 
 def _workers(result: SimResult) -> int:
