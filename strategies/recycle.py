@@ -148,6 +148,10 @@ class ReCycle(CheckpointRestart):
             return dataclasses.replace(self.fault_free, name=f"recycle (fault-free, {self.fault_free.schedule.name})")
         pp, dp = cluster.pp, cluster.dp
         label = f"{len(self.failed)} re-routed"
+        if self.by == "pipeline":  # (normalised once: the form and the order)
+            normal = normalise(self.failed, dp, pp)
+            stored = self.library.get(normal[0])
+            return self._renamed(stored, rename_onto(self.failed, stored.form, dp, pp, normal), label)
         form = form_of(self.failed, dp, pp, self.by)
         if not self.whole:
             stored = self.library.get(form)

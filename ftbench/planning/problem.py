@@ -451,14 +451,14 @@ class Renaming:
         return out
 
 
-def rename_onto(failed, layout, dp: int, pp: int) -> Renaming:
+def rename_onto(failed, layout, dp: int, pp: int, normal=None) -> Renaming:
     """The Renaming of a plan made for the pipeline form `layout` onto the real failure set
     `failed` with the same failed workers per stage. When `failed` has that pipeline form itself,
     pipelines are renamed whole (normalise's order). Else stage by stage: canonical pipeline i's
     micro-batches stay real pipeline i's, each canonical failed worker that is really alive
     trades places with a real failed one that is canonically alive (in order), and every other
-    worker is itself."""
-    form, order = normalise(failed, dp, pp)
+    worker is itself. `normal`: normalise(failed, dp, pp), where the caller has it."""
+    form, order = normal or normalise(failed, dp, pp)
     if form == layout:
         order = tuple(order)
         return Renaming((order,) * pp, order, canonical_failed(layout))
