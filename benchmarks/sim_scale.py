@@ -35,9 +35,9 @@ line per grid with the sets checked and the largest slow-down and speed-up.
     python benchmarks/sim_scale.py [--scale 1024|16k] [--gpus-per-node N] [--strategies a,b]
                                    [--limit-s 600] [--growth] [--no-check] [extra Hydra overrides...]
 
-Typical duration on 2 shared cores: 11-21 s at 1,024 GPUs, 3-4.5 min at 16k with 8 per node
-(recycle 1.5-3 min of it); with 1 GPU per node recycle runs to --limit-s (its planner schedules
-the whole coupled grid op by op at each failure: see the README); --growth not re-measured
+Typical duration on 2 shared cores: 11-21 s at 1,024 GPUs, then 2-5 min for the normalisation
+check; 3-6 min at 16k with 8 per node (recycle 1-2 min of it); with 1 GPU per node at 16k
+recycle takes 2.5-4.5 min (docs/strategies/recycle.md, "Scale"); --growth not re-measured
 (earlier: about 5 min).
 """
 from __future__ import annotations
@@ -59,9 +59,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 SCALES = {"1024": "sim-6.7b-1024gpu", "16k": "sim-6.7b-16k"}
 BENCH_FILE = "sim_scale.json"  # what a child adds to summary.json: its stopwatches
 # measured wall time of the default run (MORE: other options)
-DURATION = "11-21 s on 2 shared cores at 1,024 GPUs"
-MORE = ("--scale 16k 3-4.5 min (recycle 1.5-3 min of it); with --gpus-per-node 1 recycle runs to "
-        "--limit-s; --growth not re-measured (earlier: about 5 min)")
+DURATION = "11-21 s on 2 shared cores at 1,024 GPUs, and 2-5 min for ReCycle's normalisation check"
+MORE = ("--scale 16k 3-6 min (recycle 1-2 min of it; with --gpus-per-node 1 2.5-4.5 min); "
+        "--growth not re-measured (earlier: about 5 min)")
 
 
 class Stopwatch:
