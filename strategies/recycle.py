@@ -157,7 +157,17 @@ class ReCycle(CheckpointRestart):
             stored = self.library.get(form)
             return self._renamed(stored, rename_onto(self.failed, stored.form, dp, pp), label)
         # Whole pipelines: as many as the stage with the most failed workers has (see _whole_form).
-        return self._whole_plan(self.library.get(_whole_form(max(form), dp, pp)), max(form), label)
+        most = max(form)
+        stored = self.library.get(_whole_form(most, dp, pp))
+        if stored.shaped is not None:
+            return self._whole_plan(stored, most, label)
+        # (a plan held op by op, from the MILP or the disk cache: renamed as it is, the first
+        # surviving workers of each stage that lost fewer idle)
+        down = set(self.failed)
+        for s, count in enumerate(form):
+            spare = (d for d in range(dp) if (d, s) not in self.failed)
+            down.update((next(spare), s) for _ in range(most - count))
+        return self._renamed(stored, rename_onto(down, stored.form, dp, pp), label, idle=down - self.failed)
 
     def _whole_plan(self, stored, most: int, label: str) -> Plan:
         """The plan of `most` whole failed pipelines (canonically pipelines 0 .. most - 1) on

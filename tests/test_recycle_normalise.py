@@ -182,3 +182,36 @@ def test_whole_pipeline_plans_patched_from_their_reference_time_as_simulated(see
         assert cached.iteration_time == full.iteration_time
         for name in ("busy", "peak_memory_bytes", "peak_stash"):
             assert getattr(cached, name) == getattr(full, name), name
+
+
+def test_whole_failed_pipelines_from_the_disk_cache_or_the_milp(tmp_path):
+    # Plans held op by op (read back from the plan cache, or the MILP's) take the general
+    # renaming, idle workers and all, and simulate as their own ops say.
+    from conftest import compose
+    from ftbench.cluster import Cluster
+    from ftbench.context import RunContext
+    from ftbench.costs import PlanCosts
+    from ftbench.failures import FailureEvent
+    from ftbench.schedule import check_coverage, validate
+    from ftbench.sim.cache import SimCache
+    from ftbench.sim.simulator import simulate
+    from ftbench.strategies import build_strategy
+
+    times = []
+    for run in ("first", "cached"):
+        cfg = compose("backend=sim", "model=gpt3-medium", "strategy=recycle", "strategy.plan_cache=plan-cache",
+                      "strategy.whole_above_ops=1", "cluster.pp=4", "cluster.dp=6", "train.microbatches=8")
+        ctx, cluster = RunContext.from_config(cfg), Cluster.from_config(cfg.cluster)
+        ctx.run_dir = tmp_path
+        strategy = build_strategy(cfg.strategy, ctx)
+        strategy.plan(cluster)
+        for node in (5, 14):
+            cluster.fail(node)
+            plan = strategy.on_event(FailureEvent(node, iteration=1), cluster, 1).plan
+        validate(plan.schedule)
+        check_coverage(plan.schedule)
+        assert (plan.same_timing is None) == (run == "cached")  # read back: held op by op
+        full = simulate(plan.schedule, PlanCosts(ctx.cost_model, plan), staggered=True)
+        assert SimCache(ctx.cost_model)(plan).iteration_time == full.iteration_time
+        times.append(full.iteration_time)
+    assert times[0] == times[1]
