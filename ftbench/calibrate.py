@@ -93,9 +93,12 @@ def fit(cfg, cache_dir: Path | None = None) -> dict:
                           "give the published fault-free samples/s, or null for no fit")
     ref = reference_config(cfg)
     key = _key(ref) + f"-{target!r}"
-    cached = _MEMORY.get(key) or _read_cache(cache_dir, key)
+    on_disk = _read_cache(cache_dir, key)
+    cached = on_disk or _MEMORY.get(key)
     if cached is not None:
         _MEMORY[key] = cached
+        if on_disk is None:  # fitted earlier in this process: this sweep's jobs in other processes share it too
+            _write_cache(cache_dir, key, cached)
         return cached
     top, status, error = _throughput(ref, HIGH)
     reference = str(ref.strategy.name)
