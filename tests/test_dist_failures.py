@@ -273,12 +273,15 @@ def test_a_straggler_past_the_deadline_stops_every_rank_with_its_error(tmp_path)
     The chaos test found this as a split brain, a CBC solve that hung 10 s on one rank."""
     marker = uuid.uuid4().hex
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", FTBENCH_TEST_MARKER=marker)
-    subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", *SETUP, "strategy=recycle",
-                    "cluster.gpus_per_node=1", "failures.events=[{iteration:2,node:1}]", "backend.stall=0:2:14",
-                    "backend.timeout_s=6", f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
-                   text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", *SETUP, "strategy=recycle",
+                          "cluster.gpus_per_node=1", "failures.events=[{iteration:2,node:1}]", "backend.stall=0:2:14",
+                          "backend.timeout_s=6", f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "error", summary
+    assert summary["status"] == "error" and out.returncode == 2, (summary, out.stderr[-2000:])
+    # the summary counts the failure and the two iterations the metrics lines logged (the job
+    # stopped without results: test_dist_robustness's test_a_job_stopped_after_a_failure_counts_it)
+    assert summary["failures"] == 1 and summary["iterations"] == 2, summary
     assert "waited more than 6 s (backend.timeout_s)" in summary["error"], summary["error"]
     assert "recovery at iteration 2" in summary["error"] or "process group" in summary["error"], summary["error"]
     events = [json.loads(x)["event"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -121,8 +121,21 @@ def _holds_comment(comment: str, summary: dict, tmp_path: Path) -> None:
         assert [e["iteration"] for e in lines if e["event"] == "fail"][:1] == [int(said.group(1))], comment
 
 
+def on_the_front_page(command: str) -> bool:
+    """Whether the README shows `command` (the same code, whatever its comment)."""
+    code = command.split("  #")[0].strip()
+    return any(c.split("  #")[0].strip() == code for page, c in shell_commands() if page == "README.md")
+
+
+def tiered(commands: list[str]) -> list:
+    """The README's commands in the default tier, the other pages' in `full`: the front page is
+    what a newcomer runs first, and what the other pages' commands do is each checked in the
+    tests of their strategy, backend or feature too (the `full` tier runs every page's)."""
+    return [c if on_the_front_page(c) else pytest.param(c, marks=pytest.mark.full) for c in commands]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("command", unique("sim"))
+@pytest.mark.parametrize("command", tiered(unique("sim")))
 def test_sim_command_runs_as_written(tmp_path, command):
     out, comment = _ftbench(tmp_path, command)
     assert out.returncode == (3 if "exit code 3" in comment else 0), out.stderr[-3000:]
@@ -162,10 +175,9 @@ def _check_local(tmp_path: Path, command: str) -> str | None:
 
 
 def local_commands(tier: str) -> list[str]:
-    """The local commands of a tier: the README's in the default one (the front page's), the
-    other pages' in `full` (each strategy's local training is checked in its own tests too)."""
-    front = {c.split("  #")[0].strip() for page, c in shell_commands() if page == "README.md"}
-    return [c for c in unique("local") if (c.split("  #")[0].strip() in front) == (tier == "default")]
+    """The local commands of a tier (as `tiered`): the README's in the default one, the other
+    pages' in `full` (each strategy's local training is checked in its own tests too)."""
+    return [c for c in unique("local") if on_the_front_page(c) == (tier == "default")]
 
 
 @pytest.mark.slow
