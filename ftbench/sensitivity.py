@@ -2,7 +2,8 @@
 experiment, each run with other settings (`failures.repair_hours=4`, `cluster.gpus_per_node=4`, ...).
 
 Per folder: the settings that differ from the experiment (the sweep's command-line overrides),
-the reproduction's three checks (orderings, cells within 15 %, OOM where the paper has it),
+the scorecard's counts (ftbench/scorecard.py: orderings, cells within 15 %, status agreement;
+fitted cells left out, a status mismatch a miss),
 each system's cells against the paper's (geometric mean of ours / paper over the failure
 columns), the cells that ended neither ok nor OOM (unrecoverable: the setup defeats the
 system), and how much each system keeps from the rarest to the most frequent failures
@@ -19,7 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from ftbench.tables import FAULT_FREE, WITHIN, _oom_checks, _orderings, aggregate, load_cells, table_spec
+from ftbench.scorecard import FAULT_FREE, WITHIN, score
+from ftbench.tables import aggregate, load_cells, table_spec
 
 
 def settings(sweep_dir: Path) -> str:
@@ -45,13 +47,11 @@ def summarize(sweep_dir: Path | str) -> dict:
     spec = table_spec(sweep_dir)
     records = aggregate(spec, load_cells(sweep_dir))
     failure_columns = [c for c in spec.get("columns") or {} if c != FAULT_FREE]
-    orderings = _orderings(spec, records)
-    compared = [r for r in records if r.get("ratio") is not None]
-    ooms = _oom_checks(spec, records)
+    card = score(spec, records)
     systems = {}
     for system in dict.fromkeys(r["system"] for r in records if r["column"] in failure_columns):
         mine = {(r["model"], r["column"]): r for r in records if r["system"] == system}
-        ratios = [r["ratio"] for r in mine.values() if r.get("ratio") is not None]
+        ratios = [r["ratio"] for (_, column), r in mine.items() if column in failure_columns and r.get("ratio") is not None]
         kept, kept_paper = [], []
         first, last = failure_columns[0], failure_columns[-1]
         for model in dict.fromkeys(m for m, _ in mine):
@@ -65,9 +65,7 @@ def summarize(sweep_dir: Path | str) -> dict:
         systems[system] = {"ratio": _geomean(ratios), "kept": statistics.fmean(kept) if kept else None,
                            "kept_paper": statistics.fmean(kept_paper) if kept_paper else None}
     return {"dir": str(sweep_dir), "settings": settings(sweep_dir), "columns": (failure_columns[0], failure_columns[-1]),
-            "orderings": (sum(c["match"] for c in orderings), len(orderings)),
-            "within": (sum(abs(r["ratio"] - 1) <= WITHIN for r in compared), len(compared)),
-            "oom": (sum(o["match"] for o in ooms), len(ooms)),
+            "orderings": card["orderings"], "within": card["within"], "status": card["status"],
             "ended": sum(r["status"] not in ("ok", "oom") for r in records), "cells": len(records),
             "systems": systems}
 
@@ -75,12 +73,12 @@ def summarize(sweep_dir: Path | str) -> dict:
 def markdown(rows: list[dict]) -> str:
     systems = list(dict.fromkeys(s for row in rows for s, v in row["systems"].items() if v["ratio"] is not None))
     first, last = rows[0]["columns"] if rows else ("", "")
-    head = (["setup", "orderings", f"within {WITHIN:.0%}", "OOM", "cells ended otherwise"] + [f"{s}: ours / paper" for s in systems]
+    head = (["setup", "orderings", f"within {WITHIN:.0%}", "status agreement", "cells ended otherwise"] + [f"{s}: ours / paper" for s in systems]
             + [f"{s}: {last} / {first}, ours (paper)" for s in systems])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [f"{row['settings']} ({Path(row['dir']).name})"] + [f"{a} / {b}" for a, b in
-                                                                      (row["orderings"], row["within"], row["oom"])]
+                                                                      (row["orderings"], row["within"], row["status"])]
         cells.append(f"{row['ended']} of {row['cells']}")
         for s in systems:
             v = row["systems"].get(s, {}).get("ratio")

@@ -33,9 +33,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from ftbench.metrics import METRICS_FILE, SUMMARY_FILE, peak_memory_max, read_metrics
+from ftbench.scorecard import FAULT_FREE, markdown_lines, score
 
-WITHIN = 0.15  # the target: every cell within 15 % of the paper's
-FAULT_FREE = "fault-free"  # the column key of a system's own fault-free run
 
 # Student's t, two-sided 95 %, by degrees of freedom (1..30); beyond 30 the normal's 1.96.
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
@@ -66,6 +65,11 @@ def table_spec(sweep_dir: Path) -> dict:
     spec = OmegaConf.to_container(cfg.get("table", {}), resolve=False) or {}
     if not spec.get("name"):
         raise ValueError(f"{sweep_dir} is not a paper-table sweep (its config has no table.name)")
+    # the cells hardware.efficiency is fitted to: the calibrated system's fault-free runs
+    calibrate = OmegaConf.to_container(cfg.get("calibrate", {}) or {}, resolve=False) or {}
+    strategy = (calibrate.get("strategy") or {}).get("name")
+    if calibrate.get("throughput") is not None and strategy:
+        spec.setdefault("fitted", {"strategy": strategy, "column": FAULT_FREE})
     return spec
 
 
@@ -119,46 +123,6 @@ def aggregate(spec: dict, cells: list[dict]) -> list[dict]:
     return records
 
 
-# --------------------------------------------------------------------------- checks
-
-def _orderings(spec: dict, records: list[dict]) -> list[dict]:
-    """Per model and failure column: the systems ranked by the paper and by us (OOM last)."""
-    checks = []
-    by_cell = {(r["model"], r["system"], r["column"]): r for r in records}
-    for model, paper_rows in (spec.get("paper") or {}).items():
-        columns = [c for c in spec.get("columns") or {} if c != FAULT_FREE]
-        for column in columns:
-            systems = [s for s, cells in paper_rows.items() if isinstance(cells.get(column), (int, float))
-                       or cells.get(column) == "OOM"]
-            if len(systems) < 2:
-                continue
-
-            def rank(value_of) -> list[str]:
-                return sorted(systems, key=lambda s: -(value_of(s) or 0.0))
-
-            paper = rank(lambda s: paper_rows[s][column] if isinstance(paper_rows[s][column], (int, float)) else 0.0)
-            # OOM ranks last (throughput 0); a cell missing or ended otherwise leaves the order unknown
-            ours_known = all(by_cell.get((model, s, column), {}).get("status") in ("ok", "oom") for s in systems)
-            ours = rank(lambda s: (by_cell.get((model, s, column)) or {}).get("throughput")) if ours_known else []
-            checks.append({"model": model, "column": column, "paper": paper, "ours": ours,
-                           "match": bool(ours) and ours == paper})
-    return checks
-
-
-def _oom_checks(spec: dict, records: list[dict]) -> list[dict]:
-    """Cells of the paper's table that it or we have OOM: they must be the same (cells the paper
-    does not print, such as a system's own fault-free run, are not judged)."""
-    out = []
-    for r in records:
-        if r["paper"] is None:
-            continue
-        paper_oom = r["paper"] == "OOM"
-        ours_oom = "oom" in r["status"].split("/")
-        if paper_oom or ours_oom:
-            out.append({**r, "paper_oom": paper_oom, "ours_oom": ours_oom, "match": paper_oom == ours_oom})
-    return out
-
-
 # --------------------------------------------------------------------------- writing
 
 def _num(value: Any, digits: int = 2) -> str:
@@ -209,25 +173,13 @@ def markdown(spec: dict, records: list[dict]) -> str:
 
 
 def _checks_markdown(spec: dict, records: list[dict]) -> list[str]:
-    orderings = _orderings(spec, records)
-    compared = [r for r in records if r.get("ratio") is not None]
-    within = [r for r in compared if abs(r["ratio"] - 1) <= WITHIN]
-    ooms = _oom_checks(spec, records)
     labels = _model_names(spec)
-    lines = ["## How close", "",
-             f"- column orderings as in the paper: {sum(c['match'] for c in orderings)} of {len(orderings)}",
-             f"- cells within {WITHIN:.0%} of the paper: {len(within)} of {len(compared)}",
-             f"- OOM exactly where the paper has it: {sum(o['match'] for o in ooms)} of {len(ooms)} OOM cells", "",
-             "| model | column | paper's order | ours | same |", "|---|---|---|---|---|"]
-    for c in orderings:
-        lines.append(f"| {labels.get(c['model'], c['model'])} | {c['column']} | {' > '.join(c['paper'])} | "
-                     f"{' > '.join(c['ours']) or 'incomplete'} | {'yes' if c['match'] else 'no'} |")
+    lines = markdown_lines(spec, score(spec, records), labels)
     lines += ["", "## Per cell", "",
-              "Fitted efficiency: `hardware.efficiency` fitted to the model's published fault-free cell "
-              "(the one fitted number per model). Peak memory: the largest worker's, GB. ETTR: time on "
-              "iterations that count / run time.", "",
+              "Peak memory: the largest worker's, GB. ETTR: time on iterations that count / run time. "
+              "Efficiency: the model's `hardware.efficiency` (fitted, listed above).", "",
               "| model | system | column | seeds | status | throughput | ±95 % | paper | ratio | ETTR | failures | "
-              "peak memory (GB) | fitted efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "peak memory (GB) | efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=_record_order(spec)):
         paper = r["paper"] if r["paper"] is not None else ""
         lines.append(f"| {labels.get(r['model'], r['model'])} | {r['system']} | {r['column']} | {r['seeds']} | "
@@ -465,6 +417,10 @@ def _to_wandb(sweep_dir: Path, spec: dict, records: list[dict], files: dict[str,
 
         columns, rows = wandb_rows(spec, records)
         payload = {"paper_table": wandb.Table(columns=columns, data=rows)}
+        card = score(spec, records)
+        for key in ("within", "status", "agree", "orderings"):  # the scorecard, as table.md counts it
+            run.summary[f"scorecard/{key}"], run.summary[f"scorecard/{key}_of"] = card[key]
+        run.summary["scorecard/fitted_cells"] = len(card["fitted"])
         for name, path in files.items():
             if name.endswith(".png"):
                 payload[name[:-4]] = wandb.Image(str(path))

@@ -105,8 +105,8 @@ def test_cells_aggregate_with_the_paper_beside_them():
     assert cell_text(recycle) == "10.00 ± 2.48 (10, 1.00×)"
     assert cell_text(records["Oobleck"]) == "OOM (OOM)"
     text = markdown(spec, list(records.values()))
-    assert "column orderings as in the paper: 1 of 1" in text
-    assert "OOM exactly where the paper has it: 1 of 1" in text
+    assert "column orderings as the paper's, statuses and fault-free cells included: 1 of 1" in text
+    assert "status agreement (a number or OOM, as the paper): 2 of 2" in text
 
 
 @pytest.mark.slow
