@@ -117,7 +117,7 @@ class FailuresConfig:
     every: Optional[str] = None  # interval: period, e.g. 30m, 6h, 1d
     count: Optional[int] = None  # interval/poisson/trace: stop after this many failures (None: no limit)
     mtbf_hours: Optional[float] = None  # poisson: mean time between failures of one node, hours
-    job_mtbf_hours: Optional[float] = None  # poisson, instead of mtbf_hours: mean hours between failures of the whole job (node MTBF = this x nodes)
+    job_mtbf_hours: Optional[float] = None  # poisson, instead of mtbf_hours: mean hours between failures of the whole job: one Poisson process striking a live node at random (Young/Daly reads a node MTBF of this x nodes)
     repair_hours: Optional[float] = None  # poisson: a failed node rejoins after this long (None: never)
     path: Optional[str] = None  # trace: CSV of `milliseconds,add|remove,nodeN` rows (times shifted so the first row is t=0)
     end_at_last_event: bool = True  # trace: the run ends at the trace's last event (as the Oobleck artifact does), or earlier at train.iterations / train.max_hours; false: only those end it

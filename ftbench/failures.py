@@ -11,6 +11,7 @@ Everything random is drawn from `random.Random(seed)`, so a seed always gives th
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import random
@@ -282,7 +283,15 @@ def _poisson(cfg, num_nodes: int, seed: int, count: int | None) -> FailureScript
         if job_mtbf <= 0:
             raise ConfigError("failures.job_mtbf_hours", f"{job_mtbf} is not positive",
                               "give the mean hours between failures of the whole job, e.g. 6")
-        mtbf_hours = job_mtbf * num_nodes  # num_nodes independent nodes fail at num_nodes x one node's rate
+        if repair_hours is not None and repair_hours <= 0:
+            raise ConfigError("failures.repair_hours", f"{repair_hours} is not positive",
+                              "give the hours until a failed node is back, e.g. 2, or null for never")
+        repair = "no repair" if repair_hours is None else f"repair {repair_hours:g} h"
+        description = (f"poisson, a failure every {job_mtbf:g} h for the job (a live node, at random), "
+                       f"{num_nodes} nodes, {repair}{_count_text(count)}")
+        repair_s = None if repair_hours is None else repair_hours * 3600.0
+        events = _job_poisson_events(job_mtbf * 3600.0, repair_s, num_nodes, seed)
+        return FailureScript([], _limit(events, count), description=description)
     if mtbf_hours is None:
         raise ConfigError("failures.mtbf_hours", "poisson failures need the MTBF of one node",
                           "set it, e.g. failures=poisson failures.mtbf_hours=5000")
@@ -320,6 +329,33 @@ def _poisson_events(mtbf_s: float, repair_s: float | None, num_nodes: int, seed:
             # Memoryless: a repaired node fails again after a fresh exponential time.
             heapq.heappush(heap, (t + rng.expovariate(rate), node, "fail"))
         # Without repair a failed node stays down: nothing more for it.
+
+
+def _job_poisson_events(job_mtbf_s: float, repair_s: float | None, num_nodes: int, seed: int):
+    """The job fails at its own rate, as the papers' columns mean it ("a failure every 30 min"):
+    one Poisson process for the job, each failure striking a node that is up, at random. Nodes
+    drawn independently would fail less often than the label while some are down (a failed node
+    cannot fail again until repaired); with every node down the next failure waits for a repair
+    (the process is memoryless, so it is drawn afresh from there)."""
+    rng = random.Random(seed)
+    rate = 1.0 / job_mtbf_s
+    up = list(range(num_nodes))  # kept sorted, so a seed picks the same nodes on every machine
+    repairs: list[tuple[float, int]] = []  # (time back, node)
+    t = rng.expovariate(rate)
+    while up or repairs:
+        while repairs and (repairs[0][0] <= t or not up):
+            back, node = heapq.heappop(repairs)
+            yield FailureEvent(node=node, kind="join", time_s=back)
+            bisect.insort(up, node)
+            if back > t:  # every node was down: the job's next failure is drawn from the repair on
+                t = back + rng.expovariate(rate)
+        if not up:
+            return
+        node = up.pop(rng.randrange(len(up)))
+        yield FailureEvent(node=node, kind="fail", time_s=t)
+        if repair_s is not None:
+            heapq.heappush(repairs, (t + repair_s, node))
+        t += rng.expovariate(rate)
 
 
 # --- trace ---------------------------------------------------------------------------------

@@ -271,3 +271,32 @@ def test_accepts_omegaconf_dictconfig():
     script = build_failure_script(cfg, 4, 0)
     assert script.by_iteration == [FailureEvent(node=1, iteration=2)]
     assert list(script.by_time) == [FailureEvent(node=0, time_s=9.0)]
+
+
+def test_a_job_mtbf_is_the_jobs_rate_while_nodes_are_down_for_repair():
+    """failures.job_mtbf_hours is the job's rate, as a paper's "a failure every 30 min" column:
+    16 nodes each down 1 h after a failure still see 2 failures an hour (independent node draws
+    saw 16 / (8 + 1) = 1.78 an hour: a down node cannot fail). Over 2,000 h the count is Poisson(4,000): the
+    check is 4 sigma wide (about 6 %)."""
+    horizon = 2000.0
+    events = take_until(build(num_nodes=16, run_seed=11, kind="poisson", mtbf_hours=None, job_mtbf_hours=0.5,
+                              repair_hours=1.0).by_time, horizon * HOUR)
+    fails = [e for e in events if e.kind == "fail"]
+    expected = horizon / 0.5
+    assert abs(len(fails) - expected) <= 4 * math.sqrt(expected), len(fails)
+    down: set[int] = set()
+    for e in events:  # a failure strikes a node that is up; a join brings back a node that was down
+        assert (e.node not in down) if e.kind == "fail" else (e.node in down), e
+        (down.add if e.kind == "fail" else down.remove)(e.node)
+
+
+def test_a_job_mtbf_with_every_node_down_waits_for_a_repair():
+    events = take_until(build(num_nodes=2, run_seed=2, kind="poisson", mtbf_hours=None, job_mtbf_hours=0.01,
+                              repair_hours=5.0).by_time, 100 * HOUR)
+    times = [e.time_s for e in events]
+    assert times == sorted(times) and sum(e.kind == "fail" for e in events) > 20
+    down = 0
+    for e in events:
+        down += 1 if e.kind == "fail" else -1
+        assert 0 <= down <= 2
+    assert list(build(num_nodes=3, kind="poisson", mtbf_hours=None, job_mtbf_hours=1.0).by_time)[-1].kind == "fail"

@@ -14,7 +14,7 @@ import pytest
 from ftbench.calibrate import fit
 from ftbench.cli import compose, normalise
 from ftbench.errors import ConfigError
-from ftbench.failures import build_failure_script
+from ftbench.failures import build_failure_script, take_until
 from ftbench.run import execute
 from ftbench.sweeper import keep_jobs
 from ftbench.tables import aggregate, cell_text, interval95, markdown
@@ -55,11 +55,13 @@ def test_exclusions_leave_out_matching_jobs_only():
                     ["strategy=recycle", "table.column=6h", "seed=1"]]
 
 
-def test_job_mtbf_is_the_node_mtbf_over_the_nodes():
-    job = compose(["backend=sim", "failures=poisson", "failures.mtbf_hours=null", "failures.job_mtbf_hours=2"])
-    node = compose(["backend=sim", "failures=poisson", "failures.mtbf_hours=32"])
-    first = [next(build_failure_script(c.failures, 16, seed=3).by_time) for c in (job, node)]
-    assert first[0] == first[1]  # 16 nodes at 32 h each: the job's 2 h
+def test_job_mtbf_is_the_jobs_rate():
+    """A column's "a failure every 2 h" is the job's: 500 in 1,000 h (4 sigma: 89), nodes down
+    for repair or not."""
+    job = compose(["backend=sim", "failures=poisson", "failures.mtbf_hours=null", "failures.job_mtbf_hours=2",
+                   "failures.repair_hours=1"])
+    events = take_until(build_failure_script(job.failures, 16, seed=3).by_time, 1000 * 3600.0)
+    assert abs(sum(e.kind == "fail" for e in events) - 500) <= 4 * 500 ** 0.5
     both = compose(["backend=sim", "failures=poisson", "failures.job_mtbf_hours=2"])
     with pytest.raises(ConfigError, match="failures.job_mtbf_hours"):
         build_failure_script(both.failures, 16, seed=0)
@@ -196,3 +198,16 @@ def test_a_command_line_strategy_setting_wins_over_the_tables():
     table_strategy_settings(cfg, given, said.append)
     assert cfg.strategy.min_nodes == 2
     assert said == ["ftbench: strategy.min_nodes from the command line wins over table.strategies.oobleck.min_nodes"]
+
+
+@pytest.mark.slow
+def test_a_column_sees_the_failures_its_label_says(tmp_path):
+    """A simulated 48 h under "a failure every 30 min" strikes every failure of its script (the
+    script's rate is the label: tests/test_failures.py), 96 expected (Poisson: 4 sigma is 39)."""
+    cfg = compose(["+experiment=recycle-table", "model=gpt3-medium", "strategy=recycle", "table.column=30m", *QUIET])
+    summary = execute(cfg, tmp_path / "run", echo=lambda *_: None)
+    assert summary["status"] == "ok"
+    script = build_failure_script(cfg.failures, 16, seed=cfg.seed)
+    scripted = [e for e in take_until(script.by_time, summary["time_s"]) if e.kind == "fail"]
+    assert summary["failures"] == len(scripted)
+    assert abs(summary["failures"] - 96) <= 4 * 96 ** 0.5, summary["failures"]
