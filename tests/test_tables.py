@@ -135,17 +135,17 @@ def test_a_table_sweep_writes_its_report_and_a_rerun_skips_done_cells(tmp_path):
     assert json.loads(done.read_text()) == before
 
 
-def test_the_recycle_table_holds_oobleck_to_the_grids_depth():
-    """Its per-system setting reaches strategy.min_nodes as the model's cluster.pp (8 for 6.7B),
-    and stays out of the other systems' settings."""
+def test_the_recycle_table_runs_oobleck_at_its_own_template_range():
+    """No per-system depth for Oobleck (a setting chosen by the orderings is not a source): its
+    templates start at n0, the fewest nodes that hold the model, as Oobleck's own code computes."""
     from ftbench.run import table_strategy_settings
 
     cfg = compose(["+experiment=recycle-table", "model=gpt3-6.7b", "strategy=oobleck"])
     table_strategy_settings(cfg)
-    assert cfg.strategy.min_nodes == 8
-    other = compose(["+experiment=recycle-table", "model=gpt3-6.7b", "strategy=recycle"])
-    table_strategy_settings(other)
-    assert "min_nodes" not in other.strategy
+    assert cfg.strategy.min_nodes is None
+    held = compose(["+experiment=recycle-table", "model=gpt3-6.7b", "strategy=oobleck", "strategy.min_nodes=8"])
+    table_strategy_settings(held)
+    assert held.strategy.min_nodes == 8  # the sensitivity table's other setup, from the command line
 
 
 def test_throughput_over_time_reads_the_last_attempt_of_a_cell(tmp_path):
@@ -188,16 +188,16 @@ def test_a_paper_table_with_oom_cells_is_logged_to_wandb(tmp_path, monkeypatch):
 
 
 def test_a_command_line_strategy_setting_wins_over_the_tables():
-    """`strategy.min_nodes=2` given with the table's Oobleck cell is kept (the table's
-    `${cluster.pp}` is not merged over it), and the run says which one won."""
+    """`strategy.every=5` given with Oobleck Table 2's Varuna cell is kept (the table's
+    `every: 10` is not merged over it), and the run says which one won."""
     from ftbench.run import table_strategy_settings
 
-    given = ["+experiment=recycle-table", "model=gpt3-6.7b", "strategy=oobleck", "strategy.min_nodes=2"]
+    given = ["+experiment=oobleck-table2", "model=gpt3-6.7b", "strategy=varuna", "strategy.every=5"]
     cfg = compose(given)
     said = []
     table_strategy_settings(cfg, given, said.append)
-    assert cfg.strategy.min_nodes == 2
-    assert said == ["ftbench: strategy.min_nodes from the command line wins over table.strategies.oobleck.min_nodes"]
+    assert cfg.strategy.every == 5 and cfg.strategy.start == "fastest"
+    assert said == ["ftbench: strategy.every from the command line wins over table.strategies.varuna.every"]
 
 
 @pytest.mark.slow
