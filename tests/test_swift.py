@@ -304,15 +304,7 @@ def test_the_benchmark_compares_swift_with_the_baselines(tmp_path, capsys):
     """benchmarks/swift.py --quick as the README runs it: Swift's own setup and GPT-3 Medium
     (dp 4 and dp 1). Every run with the failure takes longer than the fault-free baseline;
     Swift never loses iterations; Elastic Horovod cannot recover without a replica."""
-    import sys
-
-    from conftest import ROOT
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import swift as bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench = _bench()
     assert bench.main(["--quick", "--plot", str(tmp_path / "s.png")]) == 0
     out = capsys.readouterr().out
     assert "swift-eval       swift" in out and (tmp_path / "s.png").stat().st_size > 0
@@ -335,6 +327,52 @@ def test_the_benchmark_compares_swift_with_the_baselines(tmp_path, capsys):
                 assert replay == (setup != "gpt3-medium"), (setup, s["recoveries"])
         if "swift parallel 4" in got:
             assert got["swift parallel 4"]["recoveries"][0]["recovery_s"] < got["swift"]["recoveries"][0]["recovery_s"]
+
+
+def _bench():
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import swift as bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return bench
+
+
+def test_the_benchmarks_ratio_moves_with_the_run_length_and_the_restart_cost(capsys):
+    """benchmarks/swift.py --grid on GPT-3 Medium dp 1 (its largest best/this), 2 x 2 cells:
+    the restart is paid by CheckFreq alone (Swift's total is the same at every restart_s), so
+    best/this grows with it; one failure's recovery is amortised by a longer run, so best/this
+    falls with the iterations. The command line's --grid, --iterations and --restart-s reach
+    the runs."""
+    bench = _bench()
+    cells = bench.grid(4, iterations=(300, 600), restarts=(30.0, 90.0), only=("gpt3-medium-dp1",),
+                       echo=lambda line: None)
+
+    def ratio(n, restart, label="swift"):
+        got = cells[("gpt3-medium-dp1", n, restart)]
+        assert all(s["status"] == "ok" for s in got.values()), got
+        assert set(got) == {"checkfreq", "swift", "swift parallel 4"}  # no replica: no Elastic Horovod
+        return got["checkfreq"]["time_s"] / got[label]["time_s"]
+
+    for n in (300, 600):
+        slow, fast = cells[("gpt3-medium-dp1", n, 90.0)], cells[("gpt3-medium-dp1", n, 30.0)]
+        assert slow["swift"]["time_s"] == fast["swift"]["time_s"]
+        paid = slow["checkfreq"]["recoveries"][0]["recovery_s"] - fast["checkfreq"]["recoveries"][0]["recovery_s"]
+        assert paid == pytest.approx(60.0)
+        for label in ("swift", "swift parallel 4"):
+            assert ratio(n, 90.0, label) > ratio(n, 30.0, label)
+    for restart in (30.0, 90.0):
+        for label in ("swift", "swift parallel 4"):
+            assert ratio(300, restart, label) > ratio(600, restart, label) > 1.0
+    assert bench.main(["--grid", "--iterations", "400", "--restart-s", "45"]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert sorted(line[0] for line in lines if line[1:3] == ["400", "45"]) == sorted(bench.GRID_SETUPS)
+    with pytest.raises(SystemExit):
+        bench.main(["--iterations", "150"])  # the failure strikes at 150: it would never happen
 
 
 def test_logging_stalls_training_only_where_storage_cannot_keep_up(tmp_path):
