@@ -30,7 +30,12 @@ Setups (assumptions where the papers do not say):
     node, 8 micro-batches of 1 x 2048 tokens per pipeline: GPT-3 Medium on A100 40 GB, GPT-3
     3.35B and 6.7B on A100 80 GB (6.7B at pp 8), to show where memory runs out.
 
-    python benchmarks/bamboo_sim.py [--setups oobleck recycle]
+Bamboo runs eager (`strategy.recovery=eager`: the copy on the GPU, the redundant forward):
+the mode whose cost this measures. `--recovery lazy` (Bamboo's default) keeps the copy in
+host memory and runs no redundant forward: its device memory and fault-free time are
+`none`'s.
+
+    python benchmarks/bamboo_sim.py [--setups oobleck recycle] [--recovery eager|lazy]
 """
 from __future__ import annotations
 
@@ -80,6 +85,9 @@ def _sized(overrides: list[str], nodes: int | None, strategy: str) -> list[str]:
     return [*overrides, f"cluster.dp={nodes // pp * gpus}"]
 
 
+RECOVERY = ["strategy.recovery=eager"]  # main() sets it from --recovery
+
+
 def measure(overrides: list[str], strategy: str, fail_nodes=()) -> dict:
     """Plan `strategy` for the setup, apply failures of `fail_nodes` one by one, and simulate
     the plan in force after each: iteration time, peak memory, plan name."""
@@ -89,7 +97,8 @@ def measure(overrides: list[str], strategy: str, fail_nodes=()) -> dict:
     from ftbench.failures import FailureEvent
     from ftbench.strategies import build_strategy
 
-    cfg = compose(["backend=sim", f"strategy={strategy}", "wandb.mode=disabled", *overrides])
+    mode = RECOVERY if strategy == "bamboo" else []
+    cfg = compose(["backend=sim", f"strategy={strategy}", "wandb.mode=disabled", *overrides, *mode])
     ctx = RunContext.from_config(cfg)
     cluster = Cluster.from_config(cfg.cluster)
     strategy_ = build_strategy(cfg.strategy, ctx)
@@ -142,8 +151,12 @@ def report(title: str, setups) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"Typical duration: {DURATION}.")
     parser.add_argument("--setups", nargs="+", default=["oobleck", "recycle"], choices=["oobleck", "recycle"])
+    parser.add_argument("--recovery", default="eager", choices=["eager", "lazy"],
+                        help="Bamboo's mode (strategy.recovery; default eager, the redundancy whose cost this measures)")
     args = parser.parse_args()
-    print(f"bamboo_sim.py: Bamboo vs none on the simulator, setups {' '.join(args.setups)}; typically {DURATION}",
+    RECOVERY[:] = [f"strategy.recovery={args.recovery}"]
+    print(f"bamboo_sim.py: Bamboo ({args.recovery}) vs none on the simulator, setups {' '.join(args.setups)}; "
+          f"typically {DURATION}",
           file=sys.stderr, flush=True)
     if "oobleck" in args.setups:
         report("Oobleck's table: 30 nodes x 4 A100 40 GB, 6 stages, one node per stage", OOBLECK)

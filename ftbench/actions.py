@@ -99,6 +99,17 @@ class ReplayLogs:
     helpers: tuple[tuple[int, ...], ...] = ()
 
 
+@dataclass(frozen=True)
+class LoadFromHost:
+    """`workers` move replicas they keep in host memory onto their GPU before running them
+    (Bamboo's lazy copy of the next stage, at a failover: weights and Adam state, as its
+    engine's build_layers and update_state do), each over its own host link in parallel;
+    `nbytes`: the most one of them moves. On local and dist the replica already sits in the
+    worker's memory: only the modelled clock charges it."""
+    workers: tuple[int, ...] = ()
+    nbytes: float = 0.0
+
+
 # Every recovery action; a backend must handle each (tests/test_actions.py checks).
 ACTIONS = (SaveCheckpoint, WaitForReplacement, RestartJob, RestoreCheckpoint, Rendezvous, SyncFromPeers, UndoSteps,
-           ReplayLogs)
+           ReplayLogs, LoadFromHost)

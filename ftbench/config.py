@@ -178,8 +178,9 @@ class OobleckConfig(StrategyConfig):
 
 @dataclass
 class BambooConfig(StrategyConfig):
-    """Bamboo: redundant copies of the next stage, eager redundant forward, failover, reconfiguration."""
+    """Bamboo: redundant copies of the next stage (host memory, or the GPU with an eager redundant forward), failover, reconfiguration."""
     name: str = "bamboo"
+    recovery: str = "lazy"  # lazy (Bamboo's default: the copy in host memory, no redundant forward) | eager (the copy on the GPU, its forward run redundantly)
     overload: Optional[float] = None  # reconfigure at a failover once 2 x overloaded nodes / live nodes exceeds this (Bamboo's simulator: 0.05; null: never)
 
 

@@ -269,6 +269,8 @@ class PlanCosts:
             else:
                 form = tuple((True, s) if d == pipeline else (False, s, plan.layers(d, s), plan.is_last_stage(d, s))
                              for d, s in held)
+            if plan.host:  # which of them sit in host memory (not counted on the device)
+                form += tuple(("host", d == pipeline, s) for d, s in held if (w, d, s) in plan.host)
             kept.append(form)
         return (plan.partition[pipeline], hops, tuple(kept))
 
@@ -303,6 +305,8 @@ class PlanCosts:
         return self._stage(op.pipeline, op.stage).recompute_bytes
 
     def static_bytes(self, worker: int) -> float:
-        """Weights, gradients and Adam state of every replica the worker keeps."""
+        """Weights, gradients and Adam state of every replica the worker keeps on its device
+        (not those the plan keeps in host memory: Plan.host)."""
+        host = self.plan.host
         return float(sum(ADAM_STATE_BYTES_PER_PARAM * self._stage(d, s).params
-                         for d, s in self.plan.holds.get(worker, ())))
+                         for d, s in self.plan.holds.get(worker, ()) if not host or (worker, d, s) not in host))

@@ -97,6 +97,10 @@ class Plan:
     # Boundaries whose tensors are logged (Swift): (pipeline, s) is the edge between stages s
     # and s + 1 of that pipeline, both ways (s's activations, s + 1's input gradients).
     logged: frozenset = frozenset()
+    # Replicas of `holds` kept in host memory, not on the device, as (worker, pipeline, stage):
+    # held (and kept in step) all the same, but the device's memory does not count them
+    # (Bamboo's lazy copy of the next stage; ftbench.costs.PlanCosts.static_bytes).
+    host: frozenset = frozenset()
     # SameTiming: a plan that times out exactly as this one, worker for worker renamed (ReCycle's
     # plans renamed onto the real workers); the simulator's cache times that one once instead
     same_timing: object = field(default=None, repr=False, compare=False)
@@ -160,12 +164,14 @@ class Plan:
         return Plan(schedule=schedule, partition=self.partition,
                     holds={to[w]: h for w, h in self.holds.items()},
                     node_of={to[w]: node_of(to[w]) for w in old}, name=self.name,
-                    staggered_optimizer=self.staggered_optimizer, logged=self.logged)
+                    staggered_optimizer=self.staggered_optimizer, logged=self.logged,
+                    host=frozenset((to[w], d, s) for w, d, s in self.host))
 
     def with_logging(self, logged) -> "Plan":
         """The same plan with these boundaries logged (its grid layout kept: the same objects)."""
         plan = Plan(schedule=self.schedule, partition=self.partition, holds=self.holds, node_of=self.node_of,
-                    name=self.name, staggered_optimizer=self.staggered_optimizer, logged=frozenset(logged))
+                    name=self.name, staggered_optimizer=self.staggered_optimizer, logged=frozenset(logged),
+                    host=self.host)
         plan._grid = self._grid
         return plan
 
@@ -180,6 +186,8 @@ class Plan:
             nodes = _pack_grid_nodes(grid, self.node_of) if holds is not None else None
             self._key = (self.schedule.key(), self.partition, holds or _pack_holds(self.holds),
                          nodes or _pack_nodes(self.node_of), self.staggered_optimizer, tuple(sorted(self.logged)))
+            if self.host:
+                self._key += (tuple(sorted(self.host)),)
         return self._key
 
 

@@ -12,8 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from itertools import cycle
 
-from ftbench.actions import (FILE, MEMORY, SNAPSHOT, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint,
-                             SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement)
+from ftbench.actions import (FILE, MEMORY, SNAPSHOT, LoadFromHost, Rendezvous, ReplayLogs, RestartJob,
+                             RestoreCheckpoint, SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement)
 from ftbench.plan import Plan, checkpoint_writers
 
 # fp32 master weights + Adam's two moments; the fp16 working weights are re-cast from the master copy.
@@ -149,6 +149,8 @@ def action_seconds(action, old: Plan, new: Plan, cost_model, save_s: float | Non
                                           for held in new.holds.values() for d, s in held))
     if isinstance(action, ReplayLogs):
         return replay_seconds(action, new, cost_model)
+    if isinstance(action, LoadFromHost):  # each worker over its own GPU's host link, in parallel
+        return action.nbytes / (hw.host_gbps * 1e9) if action.workers else 0.0
     raise TypeError(f"the cost model has no cost for {action!r}")
 
 

@@ -286,7 +286,7 @@ def _totals(outcome, global_batch: int) -> dict:
 def _run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
     cache = SimCache(ctx.cost_model, enabled=cfg.backend.memoize)
     with _progress(ctx, cfg.report.progress, "simulating") as progress:
-        backend = SimBackend(ctx, getattr(strategy, "extra_memory", None))
+        backend = SimBackend(ctx, getattr(strategy, "extra_memory", None), getattr(strategy, "memory_breakdown", None))
         outcome = run_loop(ctx, strategy, cluster, script, backend, cache, log, progress)
     first = outcome.first_timeline
     if first is not None and cfg.report.gantt:

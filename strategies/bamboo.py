@@ -9,16 +9,27 @@ schedule IR, ftbench.schedule), so the copy equals the original exactly. With se
 per node, GPU j of S consecutive nodes forms one pipeline (lane j), so stage s and its copy
 are never on one node.
 
-*Eager redundant forward*: worker s runs stage s+1's forward of micro-batch m on its own
-output (RF in the IR) just before it waits for that micro-batch's gradient, and keeps the
-activations until the iteration ends. The last worker holds stage 0's copy but runs no
-redundant forward (as in Bamboo's engine, whose last stage never waits for a gradient). The
-redundant backward is lazy: nothing runs it until a failover.
+`strategy.recovery` is Bamboo's mode (its engine's `eager_recovery`, default False):
+
+- *lazy* (the default, as Bamboo's code): the copy's weights and Adam state sit in host
+  memory (Plan.host: the device's memory does not count them; the host's does, with the
+  stage's outputs Bamboo keeps there for every micro-batch), and no redundant forward runs.
+  At a failover the predecessor first loads the copy onto its GPU (LoadFromHost: the copy's
+  weights and Adam state over hardware.host_gbps).
+- *eager*: the copy is on the GPU, and worker s runs stage s+1's forward of micro-batch m on
+  its own output (RF in the IR) just before it waits for that micro-batch's gradient,
+  keeping the activations until the iteration ends. The last worker holds stage 0's copy
+  but runs no redundant forward (as in Bamboo's engine, whose last stage never waits for a
+  gradient). The redundant backward is lazy: nothing runs it until a failover.
+
+The copy's placement changes only memory and the failover's time: on local and dist the
+copy is a replica in the worker's process either way (what the simulator counts).
 
 *Failover*: when the worker of stage s+1 fails, worker s runs both stages of that pipeline
-from its copy, with no state copied; only the iteration in flight is lost (Bamboo finishes
-it from the stashed redundant forwards; here it is run again). Stage s+1 then has no copy
-left, nor does s+2 (its copy was on the failed worker).
+from its copy (lazy: once loaded onto the GPU); only the iteration in flight is lost (Bamboo
+finishes it from the stashed redundant forwards or the outputs kept in host memory; here it
+is run again). Stage s+1 then has no copy left, nor does s+2 (its copy was on the failed
+worker).
 
 *Reconfiguration*: a failure is fatal to the pipeline when the failed worker already ran
 two stages or its stage has no live copy (its predecessor failed before). Then the live
@@ -33,13 +44,19 @@ than S live nodes, or a layer no survivor holds, is unrecoverable.
 """
 from __future__ import annotations
 
-from ftbench.actions import Rendezvous, SyncFromPeers
+from ftbench.actions import LoadFromHost, Rendezvous, SyncFromPeers
+from ftbench.costs import ADAM_STATE_BYTES_PER_PARAM
 from ftbench.errors import ConfigError, TooFewNodes
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
-from ftbench.schedule import B, BW, NO_MICROBATCH, RF, RSYNC, Op, Schedule, generate, grid_worker, read_ops
+from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM
+from ftbench.schedule import (B, BW, F, NO_MICROBATCH, OP_KINDS, RF, RSYNC, Op, Schedule, generate, grid_worker,
+                              read_ops)
 from ftbench.strategies.base import Recovery
 from ftbench.transfers import peer_copies
+
+
+RECOVERY_MODES = ("lazy", "eager")  # strategy.recovery: Bamboo's eager_recovery False / True
 
 
 class Bamboo:
@@ -58,6 +75,12 @@ class Bamboo:
             raise ConfigError("strategy.overload", f"must be a fraction in [0, 1) or null, got {self.overload}",
                               "set strategy.overload=null (reconfigure only when a pipeline breaks or grows) "
                               "or 0.05 (Bamboo's simulator)")
+        self.recovery = str(cfg.get("recovery", "lazy"))
+        if self.recovery not in RECOVERY_MODES:
+            raise ConfigError("strategy.recovery", f"must be one of {', '.join(RECOVERY_MODES)}, got {self.recovery!r}",
+                              "set strategy.recovery=lazy (Bamboo's default: the copy in host memory) or eager "
+                              "(the copy on the GPU, its forward run redundantly)")
+        self.eager = self.recovery == "eager"
         self.microbatches = ctx.global_batch // ctx.microbatch_size
         self.groups: list[list[int]] = []  # S nodes each, in stage order
         self.idle: list[int] = []  # live nodes in no pipeline
@@ -105,7 +128,7 @@ class Bamboo:
         holds: dict[int, list[tuple[int, int]]] = {}
         for d in range(dp):
             for w, order in pipeline_orders(self.ctx.schedule_name, S, counts[d], d, self.runner[d],
-                                            self.copy[d]).items():
+                                            self.copy[d], redundant_forward=self.eager).items():
                 ops[w] = order
             for s, w in enumerate(self.runner[d]):
                 holds.setdefault(w, []).append((d, s))
@@ -118,8 +141,79 @@ class Bamboo:
         shape = f"{len(self.groups)}x{S}" + (f"x{self.lanes}" if self.lanes > 1 else "")
         name = (f"bamboo[{shape}]" + (f" {failed_over} failed over" if failed_over else "")
                 + (f" after {rule}" if rule else ""))
+        host = frozenset() if self.eager else frozenset(
+            (w, d, s) for d, held in enumerate(self.copy) for s, w in enumerate(held)
+            if w is not None and self.runner[d][s] != w)  # lazy: copies it does not run are in host memory
         return Plan(schedule=schedule, partition=partition, holds={w: tuple(h) for w, h in holds.items()},
-                    node_of={w: cluster.node_of(w) for w in ops}, name=name)
+                    node_of={w: cluster.node_of(w) for w in ops}, name=name, host=host)
+
+    # -- memory -------------------------------------------------------------------------
+    def _params(self, d: int, s: int) -> int:
+        plan = self.current
+        return self.ctx.cost_model.stage(plan.layers(d, s), s == 0, plan.is_last_stage(d, s)).params
+
+    def extra_memory(self, plan: Plan) -> tuple[None, float]:
+        """Host memory (the sim's report; the device's is the plan's, Plan.host): lazy keeps
+        each copy's weights and Adam state there (CHECKPOINT_BYTES_PER_PARAM per parameter,
+        as Bamboo's engine allocates params, exp_avg and exp_avg_sq on 'cpu'), and the stage's
+        output of every micro-batch of the iteration, copied there after its backward (the
+        redundant stage's inputs for a re-run). Eager keeps nothing there."""
+        if not plan.host:
+            return None, 0.0
+        cm, spec = self.ctx.cost_model, self.ctx.cost_model.spec
+        boundary = spec.boundary_bytes(self.ctx.microbatch_size, self.ctx.seq_len)
+        per_worker: dict[int, float] = {}
+        for w, d, s in plan.host:
+            params = cm.stage(plan.layers(d, s), s == 0, plan.is_last_stage(d, s)).params
+            outputs = plan.schedule.microbatches[d] * boundary
+            per_worker[w] = per_worker.get(w, 0.0) + CHECKPOINT_BYTES_PER_PARAM * params + outputs
+        return None, max(per_worker.values())
+
+    def memory_breakdown(self, plan: Plan, worker: int, peak: float) -> str:
+        """The worker's device memory at its peak, in parts (the sim's `oom` message): its own
+        stages' weights, gradients and Adam state; the copy (on the device, or in host memory
+        and not counted); stashed activations, its own and the redundant forward's; at the
+        run's micro-batch, sequence length and recompute setting."""
+        from ftbench.costs import PlanCosts
+
+        costs = PlanCosts(self.ctx.cost_model, plan)
+        ops = plan.schedule.ops[worker]
+        runs = {(op.pipeline, op.stage) for op in ops if op.kind == F}
+        own_state = copy_device = copy_host = 0.0
+        for d, s in plan.holds.get(worker, ()):
+            params = costs._stage(d, s).params
+            if (d, s) in runs:
+                own_state += ADAM_STATE_BYTES_PER_PARAM * params
+            elif (worker, d, s) in plan.host:
+                copy_host += CHECKPOINT_BYTES_PER_PARAM * params
+            else:
+                copy_device += ADAM_STATE_BYTES_PER_PARAM * params
+        own = redundant = 0.0
+        best = (0.0, 0.0)  # (own, redundant) at the activations' peak, as the simulator walks them
+        for op in ops:
+            effect = OP_KINDS[op.kind].memory
+            if effect == "stash":
+                own += costs.stash_bytes(op)
+            elif effect == "unstash":
+                rebuilt = costs.recompute_bytes(op)
+                if own + rebuilt + redundant > sum(best):
+                    best = (own + rebuilt, redundant)
+                own -= costs.stash_bytes(op) - (costs.weight_stash_bytes(op) if op.kind == B else 0.0)
+            elif effect == "unstash_weight":
+                own -= costs.weight_stash_bytes(op)
+            elif effect == "stash_to_end":
+                redundant += costs.stash_bytes(op)
+            if own + redundant > sum(best):
+                best = (own, redundant)
+        copies = (f"the next stage's copy on the device {copy_device / 1e9:.1f} GB (recovery eager)" if copy_device
+                  else f"the next stage's copy in host memory {copy_host / 1e9:.1f} GB, not on the device "
+                  "(recovery lazy)" if copy_host else "no copy")
+        counts = sorted({plan.schedule.microbatches[d] for d, _ in runs})
+        mine = "its stage's" if len(runs) == 1 else f"its {len(runs)} stages'"
+        return (f"{mine} weights, gradients and Adam state {own_state / 1e9:.1f} GB + {copies} + stashed "
+                f"activations {sum(best) / 1e9:.1f} GB: its own {best[0] / 1e9:.1f} GB and the redundant forward's "
+                f"{best[1] / 1e9:.1f} GB, {'/'.join(map(str, counts))} micro-batches of {self.ctx.microbatch_size} x "
+                f"{self.ctx.seq_len} tokens per pipeline, train.recompute={self.ctx.recompute}")
 
     # -- membership ---------------------------------------------------------------------
     def on_event(self, event: FailureEvent, cluster, iteration: int) -> Recovery:
@@ -145,9 +239,18 @@ class Bamboo:
         if self.overload is not None and 2 * len(_overloaded(runner, cluster)) / max(live, 1) > self.overload \
                 and self._fitting(live) > 0:  # (a regroup that forms no pipeline would end the run)
             return self._reconfigure(cluster, "overload")
+        actions = [Rendezvous()]
+        if not self.eager:  # each taker first loads its copy from host memory onto its GPU
+            loads: dict[int, float] = {}
+            for d, stages in enumerate(runner):
+                for s, w in enumerate(stages):
+                    if w != self.runner[d][s]:
+                        loads[w] = loads.get(w, 0.0) + CHECKPOINT_BYTES_PER_PARAM * self._params(d, s)
+            if loads:
+                actions.append(LoadFromHost(tuple(sorted(loads)), max(loads.values())))
         self.runner, self.copy = runner, copy
         self.current = self._build(cluster, "failover")
-        return Recovery(actions=[Rendezvous()], plan=self.current)
+        return Recovery(actions=actions, plan=self.current)
 
     def _join(self, node: int, cluster) -> Recovery:
         if node >= cluster.nodes or node in self.idle or any(node in nodes for nodes in self.groups):
@@ -216,16 +319,17 @@ def _unheld(old: Plan, new: Plan, survived) -> list[int]:
 
 
 def pipeline_orders(generator: str, S: int, microbatches: int, d: int, runner: list[int],
-                    copy: list[int | None]) -> dict[int, list[Op]]:
-    """Pipeline d's ops by worker: `generator`'s order for each stage; RF(s+1, m) just before
-    the backward of (s, m) on the worker holding stage s+1's copy when it runs stage s (none
-    for stage 0's copy); RSYNC(s) last on every copy's worker. A worker that runs two stages
+                    copy: list[int | None], redundant_forward: bool = True) -> dict[int, list[Op]]:
+    """Pipeline d's ops by worker: `generator`'s order for each stage; with
+    `redundant_forward` (eager recovery), RF(s+1, m) just before the backward of (s, m) on the
+    worker holding stage s+1's copy when it runs stage s (none for stage 0's copy); RSYNC(s)
+    last on every copy's worker. A worker that runs two stages
     takes both stages' ops in the order of a fault-free run's timing (unit op costs), which
     keeps every dependency ahead of its consumer, so the merged orders cannot deadlock."""
     one = generate(generator, S, microbatches)
     read = read_ops(one)
     per_stage = [[op._replace(pipeline=d) for op in read(grid_worker(0, s, S))] for s in range(S)]
-    for s in range(S - 1):
+    for s in range(S - 1 if redundant_forward else 0):
         holder = copy[s + 1]
         if holder is not None and holder == runner[s] and runner[s + 1] != holder:
             order, out, added = per_stage[s], [], set()

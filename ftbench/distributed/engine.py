@@ -841,8 +841,8 @@ class DistBackend:
                                  restored=restored)
 
     def _perform(self, actions, old, new, iteration: int, phases: dict, pending, lost=()) -> int | None:
-        from ftbench.actions import (Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint,
-                                     SyncFromPeers, UndoSteps, WaitForReplacement)
+        from ftbench.actions import (LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint,
+                                     SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement)
         from ftbench.recovery_costs import action_seconds
 
         engine, restored = self.engine, None
@@ -878,6 +878,8 @@ class DistBackend:
                 name = "undo_s"  # done when the failure struck (DistEngine.abandon_iteration)
             elif isinstance(action, Rendezvous):
                 name = "rendezvous_s"  # the group of the survivors was built when they agreed
+            elif isinstance(action, LoadFromHost):
+                name = "state_transfer_s"  # the replica is in the worker's memory already (the model charges it)
             elif isinstance(action, SaveCheckpoint):
                 self._save(old, iteration, action.mode)  # a death here interrupts the recovery
                 if engine.store is not None and engine.rank == engine.transport.leader:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from ftbench.actions import (MEMORY, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint,
+from ftbench.actions import (MEMORY, LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint,
                              SyncFromPeers, UndoSteps, WaitForReplacement)
 from ftbench.engine.local import LocalEngine
 from ftbench.plan import Plan
@@ -65,6 +65,8 @@ class LocalBackend:
                 pass  # done when the failure struck (LocalEngine.abandon_iteration)
             elif isinstance(action, Rendezvous):
                 pass  # one process: no communicators to rebuild (the modelled clock charges hardware.rendezvous_s)
+            elif isinstance(action, LoadFromHost):
+                pass  # the replica is in this process's memory already (the modelled clock charges the host link)
             elif isinstance(action, SaveCheckpoint):
                 engine.save(iteration, action.mode)
                 if engine.store is not None:

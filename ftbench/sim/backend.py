@@ -8,7 +8,7 @@ from __future__ import annotations
 from itertools import compress, repeat
 from operator import gt
 
-from ftbench.actions import (Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
+from ftbench.actions import (LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
                              UndoSteps, WaitForReplacement)
 from ftbench.errors import ResultError
 from ftbench.plan import Plan
@@ -16,15 +16,19 @@ from ftbench.sim.simulator import SimResult
 
 
 # Actions whose whole effect here is the time the modelled clock charges for them.
-TIME_ONLY = (WaitForReplacement, RestartJob, Rendezvous, SyncFromPeers, UndoSteps)
+TIME_ONLY = (WaitForReplacement, RestartJob, Rendezvous, SyncFromPeers, UndoSteps, LoadFromHost)
 
 
 class SimBackend:
     jumps = True
     cuts_ops = False
 
-    def __init__(self, ctx, extra_memory=None):
+    def __init__(self, ctx, extra_memory=None, describe_memory=None):
         self.ctx = ctx
+        # strategy.memory_breakdown(plan, worker, peak) -> the worker's memory in words, for the
+        # `oom` message in place of the generic state + activations split (Bamboo: its stage,
+        # the copy, own and redundant activations)
+        self.describe_memory = describe_memory
         # strategy.extra_memory(plan) -> ({worker: device bytes} or None, host bytes at most):
         # what the strategy's mechanism keeps beyond training state (Swift: the undo's gradient
         # on the device and the iteration's log in host memory; Elastic Horovod's commit and
@@ -82,11 +86,11 @@ class SimBackend:
         if self.extra_memory is not None:
             extra, host = self.extra_memory(plan)
             self.peak_host = max(self.peak_host, host)
-        problem = self._check_memory(result, extra)
+        problem = self._check_memory(result, extra, plan)
         self._checked = (result, problem)
         return problem
 
-    def _check_memory(self, result: SimResult, extra: dict | None = None) -> str | None:
+    def _check_memory(self, result: SimResult, extra: dict | None = None, plan: Plan | None = None) -> str | None:
         workers, peaks = _peak_columns(result)
         if extra:
             peaks = [peak + extra.get(w, 0.0) for w, peak in zip(workers, peaks)]
@@ -104,8 +108,11 @@ class SimBackend:
         hw = self.ctx.hardware
         kept_extra = (extra or {}).get(worker, 0.0)
         more = f" + the strategy's own {kept_extra / 1e9:.1f} GB" if kept_extra else ""
-        return (f"out of memory: worker {worker} needs {peak / 1e9:.1f} GB (weights, gradients and Adam state "
-                f"{(peak - act - kept_extra) / 1e9:.1f} GB{more} + stashed activations {act / 1e9:.1f} GB) but hardware={hw.name} has "
+        parts = (f"weights, gradients and Adam state {(peak - act - kept_extra) / 1e9:.1f} GB{more} + stashed "
+                 f"activations {act / 1e9:.1f} GB")
+        if self.describe_memory is not None and plan is not None:
+            parts = self.describe_memory(plan, worker, peak)
+        return (f"out of memory: worker {worker} needs {peak / 1e9:.1f} GB ({parts}) but hardware={hw.name} has "
                 f"{hw.memory_gb:g} GB; raise cluster.pp, lower train.microbatch_size or pick a larger GPU")
 
     def peak_memory(self) -> dict[int, float]:
