@@ -134,7 +134,7 @@ class StrategyConfig:
 class CheckpointConfig(StrategyConfig):
     """Checkpoint restart and its presets: checkpoint, checkfreq, elastic-horovod, varuna."""
     name: str = "checkpoint"
-    every: Optional[int] = 4  # iterations between checkpoints (null: tuned; Young/Daly, or CheckFreq's overhead rule)
+    every: Optional[int] = None  # iterations between checkpoints (null: tuned; Young/Daly from the failure model, or CheckFreq's overhead rule)
     mtbf_hours: Optional[float] = None  # one node's MTBF for Young/Daly (null: failures.mtbf_hours, or failures.job_mtbf_hours x nodes)
     keep: int = 2  # checkpoints kept on storage (local and dist backends)
     overhead_bound: float = 0.035  # checkfreq: largest fraction of iteration time spent stalled on snapshots

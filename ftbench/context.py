@@ -41,6 +41,10 @@ class RunContext:
     max_hours: float | None
     seed: int
     node_mtbf_hours: float | None = None  # failures.mtbf_hours (Poisson failures), for checkpoint-interval rules
+    # the failure model's rate for the job (FailureScript.job_mtbf_s, failures_per_iteration), set
+    # once the script is built: the checkpoint-interval rules' M when no node MTBF is given
+    job_mtbf_s: float | None = None
+    failures_per_iteration: float | None = None
     recompute: str = "none"  # train.recompute: none | full (activation recomputation; costs and the local engine)
     overlap_grad_reduce: bool = False  # train.overlap_grad_reduce: the cost model's all-reduce overlap (simulated timings)
     run_dir: Path | None = None  # the run folder: every path setting resolves inside it (ftbench.folders)

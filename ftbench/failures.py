@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,11 @@ class FailureScript:
     waits_for_joins: bool = False
     # scripted only: each event's index in failures.events, for messages that name it
     event_index: dict[FailureEvent, int] = dataclasses.field(default_factory=dict)
+    # the rate this failure model implies for the whole job, read by the checkpoint-interval
+    # rules (Young/Daly): mean seconds between failures (inf: none expected), or for a script
+    # by iteration, failures per iteration (its failures over train.iterations); None: unknown
+    job_mtbf_s: float | None = None
+    failures_per_iteration: float | None = None
 
     def setting_of(self, event: FailureEvent) -> str:
         """`failures.events[i]` for a scripted event (`failures.events` when not known)."""
@@ -97,6 +103,9 @@ def build_failure_script(cfg, num_nodes: int, seed: int, iterations: int | None 
     script = _build(cfg, num_nodes, seed)
     if iterations is not None:
         check_reachable(script, iterations, max_hours)
+        if (_get(cfg, "kind") or "none") == "scripted":  # a script: its failures over the run
+            fails = sum(e.kind == "fail" for e in (*script.by_iteration, *script.scripted_by_time))
+            script.failures_per_iteration = fails / iterations
     return script
 
 
@@ -148,9 +157,10 @@ def _build(cfg, num_nodes: int, seed: int) -> FailureScript:
         seed = _get(cfg, "seed")  # a failures-specific seed overrides the run's seed
 
     if kind == "none":
-        return FailureScript([], iter(()), description="no failures")
+        return FailureScript([], iter(()), description="no failures", job_mtbf_s=math.inf)
     if count == 0 and kind in ("interval", "poisson"):  # a paper table's fault-free column
-        return FailureScript([], iter(()), description=f"no failures ({kind} with failures.count=0)")
+        return FailureScript([], iter(()), description=f"no failures ({kind} with failures.count=0)",
+                             job_mtbf_s=math.inf)
     if kind == "scripted":
         return _scripted(events, num_nodes, check_at(_get(cfg, "at"), "failures.at"))
     if kind == "interval":
@@ -256,7 +266,8 @@ def _interval(cfg, num_nodes: int, seed: int, count: int | None) -> FailureScrip
                           "set it, e.g. failures=interval failures.every=6h")
     period_s = parse_duration(every, "failures.every")
     description = f"interval, one node every {every}, {num_nodes} nodes{_count_text(count)}"
-    return FailureScript([], _interval_events(period_s, num_nodes, seed, count), description=description)
+    return FailureScript([], _interval_events(period_s, num_nodes, seed, count), description=description,
+                         job_mtbf_s=period_s)
 
 
 def _interval_events(period_s: float, num_nodes: int, seed: int, count: int | None):
@@ -291,7 +302,7 @@ def _poisson(cfg, num_nodes: int, seed: int, count: int | None) -> FailureScript
                        f"{num_nodes} nodes, {repair}{_count_text(count)}")
         repair_s = None if repair_hours is None else repair_hours * 3600.0
         events = _job_poisson_events(job_mtbf * 3600.0, repair_s, num_nodes, seed)
-        return FailureScript([], _limit(events, count), description=description)
+        return FailureScript([], _limit(events, count), description=description, job_mtbf_s=job_mtbf * 3600.0)
     if mtbf_hours is None:
         raise ConfigError("failures.mtbf_hours", "poisson failures need the MTBF of one node",
                           "set it, e.g. failures=poisson failures.mtbf_hours=5000")
@@ -306,7 +317,9 @@ def _poisson(cfg, num_nodes: int, seed: int, count: int | None) -> FailureScript
                    f"{_count_text(count)}")
     repair_s = None if repair_hours is None else repair_hours * 3600.0
     events = _poisson_events(mtbf_hours * 3600.0, repair_s, num_nodes, seed)
-    return FailureScript([], _limit(events, count), description=description)
+    # the job's rate while every node is up (Young/Daly's M for the job)
+    return FailureScript([], _limit(events, count), description=description,
+                         job_mtbf_s=mtbf_hours * 3600.0 / max(num_nodes, 1))
 
 
 def _poisson_events(mtbf_s: float, repair_s: float | None, num_nodes: int, seed: int):
@@ -377,8 +390,11 @@ def _trace(cfg, count: int | None) -> FailureScript:
     end = f", the run ends at its last event ({end_s:g} s)" if end_s is not None else ""
     description = (f"trace {resolved.name}{shift}, {trace.initial} node{'s' * (trace.initial != 1)} at start, {fails} fails, {joins} joins, "
                    f"up to {trace.peak} nodes at once{_count_text(count)}{end}")
+    # its failures over its span: the rate the run will see (inf: a trace without failures)
+    mtbf = trace.end_s / fails if fails and trace.end_s > 0 else math.inf
     return FailureScript([], _limit(iter(trace.events), count), initial_nodes=trace.initial, description=description,
-                         end_s=end_s, waits_for_joins=joins > 0)
+                         end_s=end_s, waits_for_joins=joins > 0,
+                         job_mtbf_s=mtbf)
 
 
 def _resolve_trace(path: str) -> Path:

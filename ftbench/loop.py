@@ -67,6 +67,11 @@ class Backend(Protocol):
     def save(self, plan: Plan, iteration: int, mode: str) -> SaveCost | None:
         """A periodic checkpoint after `iteration` iterations; its measured cost, if measured."""
 
+    def iteration_time(self, plan: Plan, iteration: int, measured: float) -> float:
+        """Wall clock: the iteration time the run loop's decisions take (the checkpoint
+        interval), from this process's `measured` one: the same on every process (dist: the
+        leader's)."""
+
     def drop_checkpoints(self, iterations: list[int]) -> None:
         """These checkpoints were not durable when a failure struck: they are gone."""
 
@@ -459,7 +464,11 @@ class RunLoop:
             self.log({"event": "iteration", "iteration": self.it - 1, "loss": loss, "iteration_s": measured,
                       "time_s": self.now(), "samples": self.it * self.ctx.global_batch, "plan": self.plan.name})
             if not self.modelled and self.ckpt.needs_measure(self.plan):
-                self.ckpt.use(self.plan, measured)
+                try:
+                    self.ckpt.use(self.plan, self.backend.iteration_time(self.plan, self.it, measured))
+                except FailuresDiscovered as found:  # a process died meanwhile (dist)
+                    self._discovered(found)
+                    return
             if self.progress is not None:
                 self.progress(self.it, self.now())
             if self.ckpt.due(self.it):

@@ -200,6 +200,7 @@ def _run(cfg, run_dir: Path, log, shared_dir: Path | None = None) -> dict:
     job_mtbf = cfg.failures.get("job_mtbf_hours")
     if ctx.node_mtbf_hours is None and job_mtbf and cfg.failures.kind == "poisson":
         ctx.node_mtbf_hours = job_mtbf * cluster.nodes  # as the failure script draws them (Young/Daly reads it)
+    ctx.job_mtbf_s, ctx.failures_per_iteration = script.job_mtbf_s, script.failures_per_iteration
     if ctx.backend not in AVAILABLE_BACKENDS:
         raise ConfigError("backend", f"backend '{ctx.backend}' is not implemented yet",
                           f"use one of {', '.join(AVAILABLE_BACKENDS)}")

@@ -32,9 +32,6 @@ class CheckFreq(CheckpointRestart):
 
         return None, _most_replica_bytes(plan, self.ctx.cost_model)
 
-    def _needs_mtbf(self) -> bool:
-        return False  # CheckFreq tunes from measured costs alone
-
     def checkpoint_interval(self, iteration_s: float, stall_s: float, persist_s: float) -> int:
         if self.every is not None:
             return self.every

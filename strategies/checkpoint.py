@@ -52,14 +52,7 @@ class CheckpointRestart:
             raise ConfigError("strategy.save_s", f"must be a positive number of seconds, got {self.save_s}",
                               "set strategy.save_s to the measured checkpoint save time in seconds (e.g. 11.2), "
                               "or null to model it as the checkpoint's bytes over hardware.storage_gbps")
-        if self.every is None and self._needs_mtbf() and self.mtbf_hours is None:
-            raise ConfigError("strategy.every", "null asks for the Young/Daly interval, which needs the node MTBF",
-                              "set strategy.mtbf_hours (or use failures=poisson with failures.mtbf_hours), "
-                              "or give a fixed strategy.every")
         self.current: Plan | None = None
-
-    def _needs_mtbf(self) -> bool:
-        return True
 
     # -- plan ---------------------------------------------------------------------------
     def plan(self, cluster: Cluster) -> Plan:
@@ -73,11 +66,29 @@ class CheckpointRestart:
         return cached[1]  # (kept, not copied: 16,384 nodes at scale)
 
     def checkpoint_interval(self, iteration_s: float, stall_s: float, persist_s: float) -> int:
-        """Iterations between checkpoints: fixed, or Young/Daly for this job's MTBF."""
+        """Iterations between checkpoints: fixed, or Young/Daly for this job's MTBF (none
+        expected: one interval as long as the run, so only the initial checkpoint is taken)."""
         if self.every is not None:
             return self.every
-        job_mtbf_s = self.mtbf_hours * 3600.0 / max(len(self.nodes_in_use()), 1)
+        job_mtbf_s = self.job_mtbf_s(iteration_s)
+        if math.isinf(job_mtbf_s):
+            return max(1, self.ctx.iterations)
         return max(1, round(young_daly_interval_s(stall_s, job_mtbf_s) / iteration_s))
+
+    def job_mtbf_s(self, iteration_s: float) -> float:
+        """Young/Daly's M for the job: one node's MTBF (strategy.mtbf_hours, failures.mtbf_hours)
+        over the nodes in use, else the failure model's own rate (a script's failures over
+        train.iterations, a trace's over its span, an interval's period)."""
+        if self.mtbf_hours is not None:
+            return self.mtbf_hours * 3600.0 / max(len(self.nodes_in_use()), 1)
+        per_iteration, job_mtbf_s = self.ctx.failures_per_iteration, self.ctx.job_mtbf_s
+        if per_iteration is not None:
+            return iteration_s / per_iteration if per_iteration > 0 else math.inf
+        if job_mtbf_s is None:
+            raise ConfigError("strategy.every", "null asks for the Young/Daly interval, and the failure model "
+                              "gives no rate", "set strategy.mtbf_hours (one node's MTBF in hours), or give a "
+                              "fixed strategy.every")
+        return job_mtbf_s
 
     # -- membership ---------------------------------------------------------------------
     def on_event(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:

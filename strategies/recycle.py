@@ -100,9 +100,6 @@ class ReCycle(CheckpointRestart):
         self.planned_ahead = 0
         self._references: dict = {}  # whole-pipeline form -> its _Reference
 
-    def _needs_mtbf(self) -> bool:
-        return self.fallback == "checkpoint"
-
     def _plan_cache(self):
         """The plan cache's folder: inside the sweep's folder (its jobs share plans) or the run's;
         None (memory only) when unset or when the run has no folder (a planner's what-if)."""

@@ -294,7 +294,8 @@ def test_local_run_goes_on_when_the_disk_is_full(tmp_path, monkeypatch):
     # to the initial weights and the run still trains the fault-free model.
     disk_full_at(monkeypatch, "iter_00000004")
     with pytest.warns(CheckpointWarning, match="could not be written"):
-        s = run(tmp_path, *LOCAL, "strategy=checkpoint", "cluster.spares=1", "report.check_fault_free=true")
+        s = run(tmp_path, *LOCAL, "strategy=checkpoint", "strategy.every=4", "cluster.spares=1",
+                "report.check_fault_free=true")
     assert s["status"] == "ok", s["error"]
     assert s["matches_fault_free"] is True
     assert s["recoveries"][0]["restored_iteration"] == 0

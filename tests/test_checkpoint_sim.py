@@ -1,6 +1,7 @@
 """The checkpoint family on the simulator: costs come from the cost model and the hardware
 profile, and time is accounted exactly."""
 import json
+import math
 
 import pytest
 
@@ -76,9 +77,18 @@ def test_young_daly_interval_from_mtbf_and_modelled_cost(tmp_path, run_config):
     assert interval["every"] == expected > 1
 
 
-def test_young_daly_needs_an_mtbf(run_config):
-    s = run_config(*SIM, "failures=none", "strategy=checkpoint", "strategy.every=null")
-    assert s["status"] == "error" and "strategy.mtbf_hours" in s["error"]
+def test_young_daly_by_default_from_the_failure_models_rate(tmp_path):
+    """strategy.every=null (the default) is Young/Daly with the failure model's M: a script's
+    failures over train.iterations (one in 50 iterations here), none expected: the run's length."""
+    from conftest import run
+
+    run(tmp_path / "script", *SIM, *FAIL_25, "strategy=checkpoint")
+    chosen = metrics(tmp_path / "script", "checkpoint_interval")[0]
+    T = json.loads((tmp_path / "script" / "summary.json").read_text())["iteration_time_s"]
+    M, C = 50 * T, chosen["stall_s"]
+    assert chosen["every"] == max(1, round((math.sqrt(2 * C * M) - C) / T)), (chosen, T)
+    run(tmp_path / "none", *SIM, "failures=none", "strategy=checkpoint", "train.iterations=30")
+    assert metrics(tmp_path / "none", "checkpoint_interval")[0]["every"] == 30
 
 
 def test_checkfreq_snapshots_stall_less_and_respect_the_bound(tmp_path):
@@ -112,7 +122,7 @@ def test_elastic_horovod_shrinks_without_replacement(tmp_path, run_config):
 
 
 def test_varuna_morphs_into_a_shape_that_fits_the_survivors(tmp_path, run_config):
-    s = run_config(*SIM, *FAIL_25, "strategy=varuna")
+    s = run_config(*SIM, *FAIL_25, "strategy=varuna", "strategy.every=4")
     assert s["status"] == "ok"
     r = s["recoveries"][0]
     assert r["actions"] == ["RestartJob", "RestoreCheckpoint"] and r["restored_iteration"] == 24
@@ -147,8 +157,6 @@ def test_varuna_morphs_up_when_nodes_return(tmp_path, run_config):
 def test_young_daly_takes_the_node_mtbf_from_the_jobs_mtbf(tmp_path):
     """failures.job_mtbf_hours=10 on 8 nodes is a node MTBF of 80 h: the same interval as
     failures.mtbf_hours=80, not a setting error."""
-    import json
-
     from conftest import run
 
     def interval(folder, *failures):

@@ -440,7 +440,7 @@ def only_run_file(run_dir: Path) -> Path:
 
 
 LOCAL_RUN = ("backend=local", "model=gpt-tiny", "train.iterations=4", "train.microbatches=2",
-             "wandb.mode=offline", "report.check_fault_free=false", "strategy=checkpoint",
+             "wandb.mode=offline", "report.check_fault_free=false", "strategy=checkpoint", "strategy.every=4",
              "failures=scripted", "failures.events=[{iteration:2,node:5}]")
 SIM_RUN = ("backend=sim", "model=gpt-tiny", "train.iterations=20", "wandb.mode=offline",
            "strategy=checkpoint", "failures=scripted", "failures.events=[{iteration:5,node:5}]")

@@ -668,6 +668,17 @@ class DistBackend:
             self._first_after = None
         return loss
 
+    def iteration_time(self, plan, iteration: int, measured: float) -> float:
+        """The leader's measured iteration time, on every rank: each run loop then takes the
+        same checkpoint interval from it. A process that dies meanwhile is found as in a save."""
+        try:
+            return self.engine.transport.all_gather_objects(measured, "share the measured iteration time")[0]
+        except (DistError, RuntimeError) as err:
+            if self.store is None:
+                raise
+            self._unannounced(err, plan, iteration, roll_back=False)  # raises FailuresDiscovered, or the error
+            raise
+
     def strike(self, plan, iteration, completed, dead_workers) -> None:
         from ftbench.distributed.membership import Fenced, MembershipError, agree, detect
 

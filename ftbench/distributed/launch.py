@@ -105,9 +105,6 @@ def check_config(cfg, strategy, clock: str) -> None:
         if cfg.train.max_hours is not None:
             raise ConfigError("train.max_hours", f"a wall-clock time limit on backend=dist is not implemented yet: "
                               f"{why}", "drop train.max_hours, or use backend.clock=model")
-        if getattr(strategy, "checkpoint_mode", None) is not None and cfg.strategy.get("every", 1) is None:
-            raise ConfigError("strategy.every", f"a measured checkpoint interval on backend=dist is not implemented "
-                              f"yet: {why}", "set strategy.every to a number of iterations, or use backend.clock=model")
 
 
 def refuse_dist_settings(cfg) -> None:

@@ -300,6 +300,7 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     seed = cfg.failures.seed if cfg.failures.seed is not None else cfg.seed
     script = build_failure_script(cfg.failures, cluster.nodes, seed, iterations=ctx.iterations,
                                   max_hours=ctx.max_hours)
+    ctx.job_mtbf_s, ctx.failures_per_iteration = script.job_mtbf_s, script.failures_per_iteration  # as run.py
     strategy = build_strategy(cfg.strategy, ctx)
     data = make_source(cfg.train.data, ctx.spec, ctx.seq_len, ctx.seed, cfg.train.data_path)
     dtype = DTYPES[cfg.backend.dtype]

@@ -32,6 +32,9 @@ class LocalBackend:
         self._use(plan)
         return self.engine.run_iteration(iteration).loss
 
+    def iteration_time(self, plan: Plan, iteration: int, measured: float) -> float:
+        return measured  # one process: its own measurement
+
     def strike(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int]) -> int:
         """The completed ops run (optimizer steps among them), the dead workers lose their
         state, and the survivors abandon the iteration, undoing the steps they took in it;

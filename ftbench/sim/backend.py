@@ -45,6 +45,9 @@ class SimBackend:
     def run_iteration(self, plan: Plan, iteration: int) -> None:
         return None
 
+    def iteration_time(self, plan: Plan, iteration: int, measured: float) -> float:
+        return measured  # (the simulator's clock is modelled: the loop does not ask)
+
     def strike(self, plan, iteration, completed, dead_workers) -> None:
         # the lost work is the time the loop already charged; undoing the steps survivors took
         # in the iteration (local/dist: ftbench.engine.undo) is not charged (None: no state held)
