@@ -126,6 +126,20 @@ def test_dist_zero_bubble_equals_local(tmp_path, spawned_ranks):
     _assert_equal_training(summary, reference)
 
 
+def test_the_young_daly_interval_is_the_leaders_on_every_rank(tmp_path, spawned_ranks):
+    """Checkpoint restart at its default, Young/Daly from the script's one failure in 6
+    iterations and the measured iteration and save: every rank takes the leader's
+    measurements (each deciding from its own clock would split the ranks' checkpoints, and
+    the job would hang or diverge), so the restart restores the newest multiple of it."""
+    summary = run(tmp_path, "backend=dist", *SETUP, "train.iterations=6", "strategy=checkpoint",
+                  "failures=scripted", "failures.events=[{iteration:3,node:1}]", "report.check_fault_free=true")
+    assert summary["status"] == "ok" and summary["matches_fault_free"] is True, summary["error"]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    every = next(x["every"] for x in lines if x.get("event") == "checkpoint_interval")
+    assert summary["recoveries"][0]["restored_iteration"] == 3 // every * every
+    assert leftover_descendants() == []
+
+
 def test_failures_dist_cannot_place_are_refused(tmp_path):
     summary = run(tmp_path / "poisson", "backend=dist", "model=gpt-tiny", "failures=poisson",
                   "failures.mtbf_hours=1")
