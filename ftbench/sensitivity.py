@@ -32,7 +32,10 @@ def settings(sweep_dir: Path) -> str:
     hydra = OmegaConf.to_container(OmegaConf.load(Path(sweep_dir) / "multirun.yaml"), resolve=False).get("hydra", {})
     task = [str(o) for o in (hydra.get("overrides") or {}).get("task", [])]
     swept = set(((hydra.get("sweeper") or {}).get("params") or {}).keys())
-    own = [o for o in task if "experiment=" not in o and o.split("=")[0].lstrip("+~") not in swept]
+    # the harness's own settings (W&B, Hydra, reports) change no cell
+    harness = ("wandb.", "hydra.", "report.")
+    own = [o for o in task if "experiment=" not in o and o.split("=")[0].lstrip("+~") not in swept
+           and not o.lstrip("+~").startswith(harness)]
     return ", ".join(f"`{o}`" for o in own) or "the experiment as given"
 
 

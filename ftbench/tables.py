@@ -66,7 +66,8 @@ def table_spec(sweep_dir: Path) -> dict:
     if not spec.get("name"):
         raise ValueError(f"{sweep_dir} is not a paper-table sweep (its config has no table.name)")
     # the cells hardware.efficiency is fitted to: the calibrated system's fault-free runs
-    calibrate = OmegaConf.to_container(cfg.get("calibrate", {}) or {}, resolve=False) or {}
+    node = cfg.get("calibrate")
+    calibrate = OmegaConf.to_container(node, resolve=False) if node is not None else {}
     strategy = (calibrate.get("strategy") or {}).get("name")
     if calibrate.get("throughput") is not None and strategy:
         spec.setdefault("fitted", {"strategy": strategy, "column": FAULT_FREE})

@@ -32,9 +32,10 @@ def test_each_folder_gives_its_settings_checks_and_movement(tmp_path, capsys):
     as_paper = _sweep(tmp_path / "a", [], [("recycle", "6h", 10.0), ("recycle", "30m", 8.0),
                                           ("oobleck", "6h", 9.0), ("oobleck", "30m", 6.0)])
     # longer repairs: both lose more, and Oobleck overtakes nothing; ReCycle twice as high
-    other = _sweep(tmp_path / "b", ["failures.repair_hours=4"], [("recycle", "6h", 20.0), ("recycle", "30m", 10.0),
+    other = _sweep(tmp_path / "b", ["failures.repair_hours=4", "wandb.mode=disabled"], [("recycle", "6h", 20.0), ("recycle", "30m", 10.0),
                                                                  ("oobleck", "6h", 9.0), ("oobleck", "30m", 3.0)])
     a, b = summarize(as_paper), summarize(other)
+    # (the harness's own settings, W&B here, change no cell and are not the setup's)
     assert a["settings"] == "the experiment as given" and b["settings"] == "`failures.repair_hours=4`"
     assert a["orderings"] == (2, 2) and a["within"] == (4, 4)
     assert b["orderings"] == (2, 2) and b["within"] == (1, 4)
