@@ -8,7 +8,7 @@ import pytest
 
 from conftest import compose
 from ftbench.context import RunContext
-from ftbench.planning.oobleck import Templates, _candidate_sets, _relaxed, instantiate, slowest, template_range
+from ftbench.planning.oobleck import Templates, candidate_sets, relaxed_time, instantiate, slowest, template_range
 
 NODES = range(30, 14, -1)  # the Table 2 traces: 30 nodes down to 15
 F = 1
@@ -36,8 +36,8 @@ def test_every_lost_node_lowers_the_pipelines_capacity(table2):
     """With the batch split in fractions, the best set of pipelines is slower with every lost
     node: each node adds capacity, whatever the integer split makes of it."""
     templates, sizes, microbatches = table2
-    best = [min(_relaxed(templates, combo, microbatches)
-                for combo in _candidate_sets(templates, sizes, n, F + 1, microbatches)) for n in NODES]
+    best = [min(relaxed_time(templates, combo, microbatches)
+                for combo in candidate_sets(templates, sizes, n, F + 1, microbatches)) for n in NODES]
     assert all(a < b for a, b in zip(best, best[1:])), list(zip(NODES, best))
 
 

@@ -345,9 +345,9 @@ def instantiate(templates: Templates, sizes: list[int], live: int, f: int, micro
     sizes = sorted({n for n in sizes if templates.get(n) is not None})
     if not sizes:
         return None
-    sets = _candidate_sets(templates, tuple(sizes), live, f + 1, microbatches)
+    sets = candidate_sets(templates, tuple(sizes), live, f + 1, microbatches)
     # Rank by the split's continuous optimum (cheap), then split the best few exactly.
-    ranked = sorted(sets, key=lambda combo: (_relaxed(templates, combo, microbatches), -len(combo), combo))
+    ranked = sorted(sets, key=lambda combo: (relaxed_time(templates, combo, microbatches), -len(combo), combo))
     best = None
     for combo in ranked[:EXACT_SPLITS]:
         ts = templates.lanes_of(combo)
@@ -358,7 +358,7 @@ def instantiate(templates: Templates, sizes: list[int], live: int, f: int, micro
     return None if best is None else (best[1], best[2])
 
 
-def _relaxed(templates: Templates, combo: tuple[int, ...], microbatches: int) -> float:
+def relaxed_time(templates: Templates, combo: tuple[int, ...], microbatches: int) -> float:
     """The slowest pipeline's time if micro-batches could be split in fractions: Z with
     sum over pipelines of (Z - a_p) / b_p = micro-batches."""
     ts = templates.lanes_of(combo)
@@ -366,7 +366,7 @@ def _relaxed(templates: Templates, combo: tuple[int, ...], microbatches: int) ->
     return (microbatches + sum(t.fill_s / t.per_microbatch_s for t in ts)) / rate
 
 
-def _candidate_sets(templates: Templates, sizes: tuple[int, ...], live: int, least: int, microbatches: int):
+def candidate_sets(templates: Templates, sizes: tuple[int, ...], live: int, least: int, microbatches: int):
     """Every multiset of sizes summing to `live` with at least `least` members (at most one per
     micro-batch), when there are few; else the one of highest steady-state rate."""
     most = min(microbatches // templates.lanes, live)  # a micro-batch per lane at least
