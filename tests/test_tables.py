@@ -185,6 +185,15 @@ def test_a_paper_table_with_oom_cells_is_logged_to_wandb(tmp_path, monkeypatch):
     (logged,) = tmp_path.glob("wandb/offline-run-*/files/media/table/paper_table_*.table.json")
     table = json.loads(logged.read_text())
     assert "OOM" in [row[table["columns"].index("paper_status")] for row in table["data"]]
+    # the scorecard in the run's summary, counted as table.md counts it (no fitted cell here)
+    from test_metrics import of_type, wandb_records
+
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    card = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+            for summary in of_type(wandb_records(run_file), "summary") for item in summary.update}
+    assert (card["scorecard/within"], card["scorecard/within_of"]) == (1, 1)
+    assert (card["scorecard/status"], card["scorecard/status_of"]) == (2, 2)
+    assert card["scorecard/fitted_cells"] == 0
 
 
 def test_a_command_line_strategy_setting_wins_over_the_tables():
