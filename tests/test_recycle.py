@@ -57,7 +57,8 @@ def test_a_stage_without_replicas_is_unrecoverable_or_falls_back(tmp_path):
     faults = _events(dict(iteration=3, node=1), dict(iteration=6, node=5))  # both replicas of stage 1
     s = run(tmp_path / "none", *LOCAL, *RECYCLE, *faults)
     assert s["status"] == "unrecoverable" and "last replica of stage 1" in s["error"]
-    s = assert_matches_fault_free(tmp_path, faults=(*RECYCLE, "strategy.fallback=checkpoint", *faults))
+    s = assert_matches_fault_free(tmp_path, faults=(*RECYCLE, "strategy.fallback=checkpoint", "strategy.every=4",
+                                                    *faults))
     first, second = s["recoveries"]
     assert first["actions"] == ["Rendezvous"] and first["lost_iterations"] == 0
     assert second["actions"] == ["WaitForReplacement", "RestartJob", "RestoreCheckpoint"]
