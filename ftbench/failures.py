@@ -294,32 +294,27 @@ def _poisson(cfg, num_nodes: int, seed: int, count: int | None) -> FailureScript
         if job_mtbf <= 0:
             raise ConfigError("failures.job_mtbf_hours", f"{job_mtbf} is not positive",
                               "give the mean hours between failures of the whole job, e.g. 6")
-        if repair_hours is not None and repair_hours <= 0:
-            raise ConfigError("failures.repair_hours", f"{repair_hours} is not positive",
-                              "give the hours until a failed node is back, e.g. 2, or null for never")
-        repair = "no repair" if repair_hours is None else f"repair {repair_hours:g} h"
-        description = (f"poisson, a failure every {job_mtbf:g} h for the job (a live node, at random), "
-                       f"{num_nodes} nodes, {repair}{_count_text(count)}")
-        repair_s = None if repair_hours is None else repair_hours * 3600.0
-        events = _job_poisson_events(job_mtbf * 3600.0, repair_s, num_nodes, seed)
-        return FailureScript([], _limit(events, count), description=description, job_mtbf_s=job_mtbf * 3600.0)
-    if mtbf_hours is None:
+    elif mtbf_hours is None:
         raise ConfigError("failures.mtbf_hours", "poisson failures need the MTBF of one node",
                           "set it, e.g. failures=poisson failures.mtbf_hours=5000")
-    if mtbf_hours <= 0:
+    elif mtbf_hours <= 0:
         raise ConfigError("failures.mtbf_hours", f"{mtbf_hours} is not positive",
                           "give the mean hours between failures of one node, e.g. 5000")
     if repair_hours is not None and repair_hours <= 0:
         raise ConfigError("failures.repair_hours", f"{repair_hours} is not positive",
                           "give the hours until a failed node is back, e.g. 2, or null for never")
     repair = "no repair" if repair_hours is None else f"repair {repair_hours:g} h"
-    description = (f"poisson, MTBF {mtbf_hours:g} h per node, {num_nodes} nodes, {repair}"
-                   f"{_count_text(count)}")
     repair_s = None if repair_hours is None else repair_hours * 3600.0
-    events = _poisson_events(mtbf_hours * 3600.0, repair_s, num_nodes, seed)
-    # the job's rate while every node is up (Young/Daly's M for the job)
-    return FailureScript([], _limit(events, count), description=description,
-                         job_mtbf_s=mtbf_hours * 3600.0 / max(num_nodes, 1))
+    if job_mtbf is not None:
+        rate = f"a failure every {job_mtbf:g} h for the job (a live node, at random)"
+        events = _job_poisson_events(job_mtbf * 3600.0, repair_s, num_nodes, seed)
+        job_mtbf_s = job_mtbf * 3600.0
+    else:
+        rate = f"MTBF {mtbf_hours:g} h per node"
+        events = _poisson_events(mtbf_hours * 3600.0, repair_s, num_nodes, seed)
+        job_mtbf_s = mtbf_hours * 3600.0 / max(num_nodes, 1)  # the job's rate while every node is up
+    description = f"poisson, {rate}, {num_nodes} nodes, {repair}{_count_text(count)}"
+    return FailureScript([], _limit(events, count), description=description, job_mtbf_s=job_mtbf_s)
 
 
 def _poisson_events(mtbf_s: float, repair_s: float | None, num_nodes: int, seed: int):
