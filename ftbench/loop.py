@@ -6,6 +6,7 @@ only writer of `Cluster`; strategies see a read-only view and ask for replacemen
 standbys and reshapes through their `Recovery`), asking the strategy, periodic checkpoints
 and their interval, recovery and lost-work records, the time of the iterations that count
 (`KeptIterations`: the run's `productive_s`, the numerator of its ETTR), and the metrics lines.
+A membership change timed while a recovery runs is merged into it (`RunLoop._merge`).
 
 A backend implements the small protocol `Backend` and holds no loop logic: `sim` jumps over
 runs of identical iterations in closed form, `local` runs them one at a time.
@@ -39,6 +40,9 @@ from ftbench.sim.simulator import SimResult, ops_completed_at
 from ftbench.transfers import copy_sizes
 
 CLOCKS = ("model", "wall")  # backend.clock
+# Actions by which the nodes agree on a new membership: a change that arrives while one runs
+# is merged into its recovery (RunLoop._merge).
+AGREEMENT = (RestartJob, Rendezvous)
 # A recovery's record lists at most this many of its state copies (with their count and bytes):
 # a reshape of 16,384 workers copies thousands, after each of thousands of failures.
 COPIES_LISTED = 64
@@ -110,6 +114,16 @@ class LoopOutcome(RunOutcome):
     first_timeline: SimResult | None = None
     plan_after_recovery: Plan | None = None  # the plan after the first recovery that changed it
     global_batch: int = 0
+
+
+@dataclass
+class InFlight:
+    """The recovery that last ran on the modelled clock, while nothing else has run since: a
+    membership change timed before its `end` arrived while it ran and is merged into it
+    (RunLoop._merge). `record` is the group's entry in the run's recoveries."""
+    record: dict
+    start: float
+    end: float
 
 
 class KeptIterations:
@@ -300,6 +314,9 @@ class RunLoop:
         self._wall0 = time.perf_counter()
         self._nodes: tuple | None = None  # ((plan, its nodes), ...): the last two plans asked about
         self._action_s: dict = {}  # (action, id(old), id(new)) -> (old, new, modelled seconds)
+        self._flight: InFlight | None = None  # the recovery a timed change would be merged into
+        self._merging: InFlight | None = None  # set while the strategy answers a merged change
+        self._waits = 0  # waits for nodes so far (_wait_for_nodes)
 
     # -- clock --------------------------------------------------------------------------
     def now(self) -> float:
@@ -420,7 +437,9 @@ class RunLoop:
         timed = self.events.peek_timed()
         if timed is not None and timed.time_s <= now and timed.time_s < self.horizon and now < self.horizon:
             event = self.events.pop_timed()
-            if self._strikes(event):  # it struck while a recovery ran, or (wall clock) during the last iteration
+            if self._flight is not None and event.time_s < self._flight.end:
+                self._merge(event, self._flight)
+            elif self._strikes(event):  # (wall clock) it struck during the last iteration
                 self._strike(event, 0.0, timeline=self.timelines(self.plan), T=0.0)
             else:
                 self._apply(event)
@@ -433,6 +452,7 @@ class RunLoop:
 
     # -- iterations ---------------------------------------------------------------------
     def _advance(self, n: int, T: float) -> None:
+        self._flight = None  # training goes on: the last recovery is over
         if self.backend.jumps:
             t_end, saved, newest = self.ckpt.advance(self.it, self.t, n)
             for at in newest:
@@ -606,8 +626,58 @@ class RunLoop:
         self.log({"event": event.kind, "node": node, "time_s": self.now(), "iteration": self.it})
         self._ask_strategy(event)
 
+    def _merge(self, event: FailureEvent, flight: InFlight) -> None:
+        """A membership change timed while the recovery in flight runs (modelled clock) is
+        merged into it, one recovery for the changes that arrive while it runs, as the Oobleck
+        artifact's simulators handle a change during a rendezvous (Varuna's restart, Oobleck's
+        reconfiguration): a node that joins, or fails outside the plan being recovered to,
+        is taken in and the recovery still ends when it would; a member that fails starts the
+        recovery again from that moment, so it ends the strategy's new recovery's time after
+        the failure, not after the recovery in flight. The strategy answers the change as
+        usual and the backend carries that out; the group's record says what was merged."""
+        restarts = self._strikes(event)
+        self.t = max(event.time_s, flight.start)  # the change's moment, inside the recovery
+        self._merging, waits = flight, self._waits
+        try:
+            if restarts:
+                self._strike(event, 0.0, timeline=self.timelines(self.plan), T=0.0)
+            else:
+                self._apply(event)
+        finally:
+            self._merging = None
+        if not restarts and self._waits == waits:
+            self.t = flight.end
+        flight.end = self.t
+        record = flight.record
+        record["recovery_s"] = flight.end - flight.start
+        record.setdefault("merged", []).append({"event": event.kind, "node": event.node, "time_s": event.time_s,
+                                                "restarts": restarts})
+        if self._flight is None and self.out.status == "ok" and not self.stopped:
+            self._flight = flight  # (a recovery from deaths found meanwhile, dist, is the one in flight)
+        self.log({"event": "recovery_merged", "index": len(self.out.recoveries) - 1, "node": event.node,
+                  "kind": event.kind, "time_s": event.time_s, "restarts": restarts, "end_s": flight.end,
+                  "plan": record["plan"], "shape": record["shape"]})
+
+    @staticmethod
+    def _fold(group: dict, record: dict) -> None:
+        """The strategy's answer to a merged change, into the group's record: its actions,
+        the plan it ends on, the iteration restored and what moved."""
+        group["actions"] = group["actions"] + record["actions"]
+        group["plan"], group["shape"] = record["plan"], record["shape"]
+        group["restored_iteration"] = record["restored_iteration"]
+        group["lost_iterations"] = group["iteration"] - record["restored_iteration"]
+        if "copies" in record:
+            room = COPIES_LISTED - len(group.get("copies", ()))
+            group["copies"] = group.get("copies", []) + record["copies"][:max(room, 0)]
+            group["copies_total"] = group.get("copies_total", 0) + record["copies_total"]
+            group["copied_bytes"] = group.get("copied_bytes", 0.0) + record["copied_bytes"]
+        for key in ("fallback", "interrupted_by_nodes"):
+            if key in record:
+                group[key] = record[key]
+
     def _ask_strategy(self, event: FailureEvent) -> None:
         out, cluster, it = self.out, self.cluster, self.it
+        merging, self._merging, self._flight = self._merging, None, None
         recovery = self.strategy.on_event(event, self.view, it)
         if recovery.unrecoverable and recovery.wait:
             recovery = self._wait_for_nodes(recovery.unrecoverable)
@@ -620,6 +690,8 @@ class RunLoop:
                       "reason": recovery.unrecoverable})
             return
         actions = list(recovery.actions)
+        if merging is not None:  # nothing trained since the recovery in flight restored its state: no save
+            actions = [a for a in actions if not isinstance(a, SaveCheckpoint)]
         if recovery.replace:
             actions.insert(0, self._replace(recovery.replace))
         cluster.spares += len(recovery.standby)
@@ -676,8 +748,13 @@ class RunLoop:
             record["fallback"] = fallback
         if interrupted is not None:  # completed without them; they fail next
             record["interrupted_by_nodes"] = interrupted.nodes
-        out.recoveries.append(record)
-        self.log({"event": "recovery", **record})
+        if merging is not None:
+            self._fold(merging.record, record)
+        else:
+            out.recoveries.append(record)
+            self.log({"event": "recovery", **record})
+            if self.modelled and any(isinstance(a, AGREEMENT) for a in actions):
+                self._flight = InFlight(record, t_event, self.t)
         if interrupted is not None:
             self._discovered(interrupted)
 
@@ -723,6 +800,7 @@ class RunLoop:
         if not self.modelled or resume is None or not self.waits_for_joins:
             return Recovery(unrecoverable=reason)
         started = self.t
+        self._waits += 1
         self.log({"event": "waiting", "time_s": self.t, "iteration": self.it, "nodes": len(self.cluster.alive),
                   "reason": reason})
         while True:

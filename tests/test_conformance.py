@@ -43,7 +43,9 @@ def _scripts(T: float, first_recovery: tuple[float, float]) -> dict:
         "standby used up": (("cluster.spares=1",), [dict(iteration=2, node=0), dict(iteration=4, node=5)]),
         "reshape and grow back": ((), [dict(iteration=2, node=4), dict(iteration=2, node=5),
                                        dict(iteration=4, node=4, kind="join"), dict(iteration=4, node=5, kind="join")]),
-        "failure during recovery": ((), [dict(iteration=3, node=3),
+        # a join, then a member's failure, while the first recovery runs: merged into it
+        "changes during recovery": ((), [dict(iteration=3, node=3),
+                                         dict(time_s=t_fail + 0.3 * max(recovery_s, 1e-9), node=3, kind="join"),
                                          dict(time_s=t_fail + 0.5 * max(recovery_s, 1e-9), node=0)]),
         "already down, idle and new nodes": (("cluster.nodes=7",), [
             dict(iteration=1, node=6), dict(iteration=2, node=1), dict(iteration=3, node=1),
@@ -55,7 +57,8 @@ def _trace(run_dir, summary) -> dict:
     events = [(r["event"], r.get("node"), r.get("iteration"), r.get("ignored"))
               for r in read_metrics(run_dir / "metrics.jsonl") if r["event"] in ("fail", "join", "unrecoverable")]
     recoveries = [(r["iteration"], tuple(r["actions"]), r["restored_iteration"], r["lost_iterations"], r["plan"],
-                   r["shape"]) for r in summary["recoveries"]]
+                   r["shape"], tuple((m["event"], m["node"], m["restarts"]) for m in r.get("merged", ())))
+                  for r in summary["recoveries"]]
     return {"status": summary["status"], "iterations": summary["iterations"], "failures": summary["failures"],
             "events": events, "recoveries": recoveries, "plans": summary["plan_segments"]}
 
@@ -67,15 +70,26 @@ def scripts(tmp_path_factory):
     one = run(base / "one", "backend=sim", "strategy=checkpoint", "strategy.every=2", "failures=scripted",
               _events(dict(iteration=3, node=3)), *SETUP)
     r = one["recoveries"][0]
-    return _scripts(free["iteration_time_s"], (r["time_s"], r["recovery_s"]))
+    T = free["iteration_time_s"]
+    return _scripts(T, (r["time_s"], r["recovery_s"])) | {"T": T}
+
+
+def _own_first_recovery(tmp_path, overrides) -> tuple[float, float]:
+    """(time, duration) of the strategy's own recovery from "one failure": the changes that
+    must fall inside it are timed from it (a restart takes a minute, a rendezvous seconds)."""
+    one = run(tmp_path, "backend=sim", *overrides, _events(dict(iteration=3, node=3)))
+    r = one["recoveries"][0]
+    return r["time_s"], r["recovery_s"]
 
 
 @pytest.mark.parametrize("script", list(_scripts(1.0, (1.0, 1.0))))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sim_and_local_agree(tmp_path, scripts, strategy, script):
     setup, events = scripts[script]
-    overrides = (f"strategy={strategy}", *EVERY.get(strategy, ()), *SETUP, *setup, "failures=scripted",
-                 _events(*events))
+    common = (f"strategy={strategy}", *EVERY.get(strategy, ()), *SETUP, *setup, "failures=scripted")
+    if script == "changes during recovery" and strategy != "none":
+        setup, events = _scripts(scripts["T"], _own_first_recovery(tmp_path / "first", common))[script]
+    overrides = (*common, _events(*events))
     sim = run(tmp_path / "sim", "backend=sim", *overrides)
     local = run(tmp_path / "local", "backend=local", "backend.clock=model", *overrides)
     assert sim["status"] != "error", sim["error"]
@@ -85,3 +99,6 @@ def test_sim_and_local_agree(tmp_path, scripts, strategy, script):
     assert local["ettr"] == pytest.approx(sim["ettr"], abs=2e-6)
     if strategy != "none" and script != "two in one stage":
         assert sim["failures"] >= 1 and sim["status"] == "ok", sim["error"]
+    if strategy != "none" and script == "changes during recovery":  # both changes were merged into it
+        assert [(m["event"], m["restarts"]) for m in sim["recoveries"][0]["merged"]] == [("join", False),
+                                                                                       ("fail", True)]

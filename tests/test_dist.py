@@ -126,6 +126,9 @@ def test_dist_zero_bubble_equals_local(tmp_path, spawned_ranks):
     _assert_equal_training(summary, reference)
 
 
+# `full`: the default tier's Young/Daly interval on dist is test_dist_failures.py's
+# checkpoint restart onto a standby (the same leader's interval, with 2 GPUs a node)
+@pytest.mark.full
 def test_the_young_daly_interval_is_the_leaders_on_every_rank(tmp_path, spawned_ranks):
     """Checkpoint restart at its default, Young/Daly from the script's one failure in 6
     iterations and the measured iteration and save: every rank takes the leader's

@@ -79,14 +79,20 @@ def _assert_regrouped_within_seconds(measured: dict, timeout_s: float) -> None:
 
 def test_checkpoint_restart_onto_a_standby_after_a_real_kill(tmp_path):
     """Node 1 (ranks 2 and 3) is killed in iteration 3; the standby node's processes take over
-    its workers and every worker reloads the checkpoint files of iteration 2."""
-    summary, lines = run_dist(tmp_path, "strategy=checkpoint", "strategy.every=2", "cluster.gpus_per_node=2",
+    its workers and every worker reloads the newest checkpoint files. The interval is the
+    default, Young/Daly from the script's one failure in 6 iterations and the measured
+    iteration and save: every rank takes the leader's measurements (each deciding from its
+    own clock would split the ranks' checkpoints, and the job would hang or diverge), so the
+    restart restores the newest multiple of it."""
+    summary, lines = run_dist(tmp_path, "strategy=checkpoint", "cluster.gpus_per_node=2",
                               "cluster.spares=1", "failures.events=[{iteration:3,node:1}]")
     _assert_complete(summary, lines, 1, 3)
     _assert_measured(summary, [2, 3])
     assert summary["processes"] == 6  # 2 nodes + 1 standby, 2 GPUs each
+    every = next(x["every"] for x in lines if x.get("event") == "checkpoint_interval")
     (recovery,) = summary["recoveries"]
-    assert recovery["restored_iteration"] == 2 and recovery["lost_iterations"] == 1
+    assert recovery["restored_iteration"] == 3 // every * every
+    assert recovery["lost_iterations"] == 3 - recovery["restored_iteration"]
     # ETTR: the measured times of the 6 iterations kept (iteration 2 at its redo) over the wall time
     kept = {r["iteration"]: r["iteration_s"] for r in lines if r["event"] == "iteration"}
     assert sorted(kept) == list(range(6)) and summary["productive_s"] == pytest.approx(sum(kept.values()), rel=1e-9)
@@ -129,17 +135,20 @@ def test_a_seeded_random_kill(tmp_path, strategy):
     pytest.param("elastic-horovod", [dict(iteration=2, node=1), dict(iteration=5, node=3)], marks=pytest.mark.full),
     pytest.param("recycle", [dict(iteration=3, node=3)], marks=pytest.mark.full),
     ("oobleck", [dict(iteration=2, node=1), dict(iteration=4, node=4)]),  # a merge, then a borrow
+    ("varuna", "changes during recovery"),  # a join and a member's failure merged into one restart
 ])
 def test_dist_agrees_with_sim(tmp_path, strategy, events):
     """The conformance check (tests/test_conformance.py) with dist in it: on the modelled clock
     the same script gives the same events, recovery actions, restored iterations, lost work
     and plans on dist, where the failed node's processes really die, as on sim."""
-    from test_conformance import EVERY, SETUP as CONFORMANCE, _events, _trace
+    from test_conformance import EVERY, SETUP as CONFORMANCE, _events, _own_first_recovery, _scripts, _trace
 
     from conftest import run
 
-    overrides = (f"strategy={strategy}", *EVERY.get(strategy, ()), "cluster.spares=1", "failures=scripted",
-                 _events(*events))
+    common = (f"strategy={strategy}", *EVERY.get(strategy, ()), "cluster.spares=1", "failures=scripted")
+    if isinstance(events, str):  # timed from the strategy's own first recovery, as in test_conformance
+        _, events = _scripts(0.0, _own_first_recovery(tmp_path / "first", (*CONFORMANCE, *common)))[events]
+    overrides = (*common, _events(*events))
     sim = run(tmp_path / "sim", "backend=sim", *CONFORMANCE, *overrides)
     assert sim["status"] == "ok", sim["error"]
     dist_summary, _ = run_dist(tmp_path / "dist", "backend.clock=model", "report.progress=false",
