@@ -46,9 +46,13 @@ class Swift(CheckpointRestart):
 
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
-        if self.every is None:
-            raise ConfigError("strategy.every", "swift replays from its own periodic checkpoints and needs a fixed "
-                              "interval", "set strategy.every to a number of iterations (Swift's evaluation: 100)")
+        self.budget_gb = cfg.log_budget_gb
+        if self.every is None and self.budget_gb is not None:
+            raise ConfigError("strategy.every", "selective logging (strategy.log_budget_gb) sizes the log kept "
+                              "between two checkpoints when it plans, before any iteration is timed, so it needs a "
+                              "fixed interval", "set strategy.every to a number of iterations (Swift's evaluation: "
+                              "100), or leave strategy.log_budget_gb null to log every node boundary")
+        self.interval = self.every  # the interval in force: fixed, else the run loop's Young/Daly one
         self.log_dir = str(relative_setting("strategy.log_dir", cfg.log_dir))  # inside the run folder
         self.parallel = cfg.parallel_recovery
         if not isinstance(self.parallel, int) or self.parallel < 1:
@@ -58,7 +62,6 @@ class Swift(CheckpointRestart):
             raise ConfigError("strategy.parallel_recovery", f"{self.parallel} workers cannot share a replay of "
                               f"{ctx.microbatches} micro-batches per pipeline",
                               f"set strategy.parallel_recovery to at most {ctx.microbatches}")
-        self.budget_gb = cfg.log_budget_gb
         if self.budget_gb is not None and not self.budget_gb >= 0:
             raise ConfigError("strategy.log_budget_gb", f"must be a size in GB, got {self.budget_gb}",
                               "give the most log storage in GB (e.g. 50), or null to log every node boundary")
@@ -144,6 +147,12 @@ class Swift(CheckpointRestart):
                     for held, m in ((held, plan.schedule.microbatches[held[0][0]]) for held in plan.holds.values()))
         return device, sends[0] * sends[1] * boundary if sends[0] else 0.0
 
+    def checkpoint_interval(self, iteration_s: float, stall_s: float, persist_s: float) -> int:
+        """As checkpoint restart's (fixed, else Young/Daly), kept: a replay starts from the
+        newest multiple of it."""
+        self.interval = super().checkpoint_interval(iteration_s, stall_s, persist_s)
+        return self.interval
+
     # -- recovery -----------------------------------------------------------------------
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         plan = self.current
@@ -170,7 +179,9 @@ class Swift(CheckpointRestart):
         if copies:
             actions.append(SyncFromPeers(copies))  # replication-based recovery
         if replay:
-            since = iteration // self.every * self.every  # the newest checkpoint (saved synchronously)
+            # the newest checkpoint (saved synchronously); none but the initial one before the
+            # interval is known (wall clock: after the first iteration is timed)
+            since = iteration // self.interval * self.interval if self.interval else 0
             helpers = ()
             if self.parallel > 1:
                 helpers = self._helpers(plan, sorted(replay), lost | replay, alive)

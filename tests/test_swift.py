@@ -46,6 +46,20 @@ def _actions(summary) -> list[list[str]]:
 
 # -- logging-based recovery ---------------------------------------------------------------
 
+def test_at_its_default_interval_a_replay_starts_from_the_newest_young_daly_checkpoint(tmp_path):
+    """strategy.every=null (the default): the checkpoint interval is Young/Daly's, from the
+    measured iteration and save and the script's one failure in 10 iterations; the replay
+    starts from the newest multiple of it and trains the fault-free model bit for bit."""
+    s = run(tmp_path / "swift", *LOCAL, "strategy=swift", "failures=scripted", *DP1, _events("{iteration:7,node:2}"))
+    assert s["status"] == "ok", s["error"]
+    every = next(r["every"] for r in read_metrics(tmp_path / "swift" / "metrics.jsonl")
+                 if r["event"] == "checkpoint_interval")
+    assert s["checkpoints"] == 1 + (10 - 1) // every  # the initial one, then every multiple before the last
+    assert _actions(s) == [["WaitForReplacement", "UndoSteps", "Rendezvous", "ReplayLogs"]]
+    assert s["lost_iterations"] == 0
+    assert _exactly_equal(s, _reference(tmp_path, *DP1))
+
+
 def test_a_replay_from_the_logs_trains_the_fault_free_model_bit_for_bit(tmp_path):
     """dp = 1: node 2 fails half-way into iteration 6 (before any step); its stage is reloaded
     from the checkpoint of iteration 4 and iterations 4 and 5 are replayed on the logs."""
@@ -241,7 +255,7 @@ def test_on_sim_swift_extra_memory_is_below_elastic_horovods(tmp_path):
     (("strategy.parallel_recovery=0",), "strategy.parallel_recovery"),
     (("strategy.parallel_recovery=9",), "strategy.parallel_recovery"),  # more than the micro-batches
     (("cluster.gpus_per_node=4",), "cluster.gpus_per_node"),  # the whole pipeline on one node: nothing to log
-    (("strategy.every=null",), "strategy.every"),
+    (("strategy.every=null", "strategy.log_budget_gb=50"), "strategy.every"),  # selective logging plans with it
 ])
 def test_bad_settings_name_the_setting(tmp_path, overrides, setting):
     s = run(tmp_path, *LOCAL, "strategy=swift", "cluster.pp=4", "cluster.dp=1", *overrides)
