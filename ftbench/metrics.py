@@ -456,6 +456,10 @@ def _plain_config(config: Any) -> Any:
         return config
 
 
+# The lines that follow the run loop: the held lines go to W&B with them.
+TRAINING_ENDS = ("end", "error")
+
+
 class WandbSink:
     """Optional W&B mirror of a run. Never breaks a run: on a W&B error it warns and turns into
     a no-op (an extra at `finish` that fails is skipped with a warning).
@@ -481,8 +485,11 @@ class WandbSink:
       `run.summary`.
     - the console: what the run prints from the start of the W&B run on (`files/output.log`).
 
-    The W&B run starts at the first progress line (the lines before it are held, then logged
-    in order) or at `finish`; a run that stops on a setting error before training starts none.
+    The timed region is training, and nothing of W&B runs inside it: the W&B run starts at the
+    run's `start` line (logged once the settings are checked, before training: a run that
+    stops on a setting error before it starts none), and the lines from then until the `end`
+    (or `error`) line, which follows the run loop, are held and logged after it, in order.
+    So a run's W&B history fills when its training is over (metrics.jsonl as it goes).
     An offline run's folder (`<run folder>/wandb/offline-run-<time>-<id>/`) holds all that
     `wandb sync` uploads, artifacts included (`keep_artifacts_in_run_folder`).
     """
@@ -498,6 +505,7 @@ class WandbSink:
         self._step_value: float = 0
         self._init: dict | None = None  # wandb.init's arguments until the run starts
         self._pending: list[dict] = []  # metrics lines before it starts
+        self._training = False  # between the start and end lines: lines are held in _pending
         mode = getattr(cfg, "mode", "offline")
         # WANDB_MODE=disabled is W&B's own kill switch; honouring it lets a test suite or a CI
         # job turn W&B off for every run without editing configs.
@@ -522,9 +530,9 @@ class WandbSink:
         return self.run is not None or self._init is not None
 
     def _start(self) -> None:
-        """wandb.init, then the metrics lines held until now. The W&B run starts at the first
-        progress line, or at `finish`: a run that stops on a setting error before it trains
-        leaves no W&B run behind (see `finish`)."""
+        """wandb.init, then the metrics lines held until now. The W&B run starts at the start
+        line (or the first progress line, for a caller without one), or at `finish`: a run that
+        stops on a setting error before it starts leaves no W&B run behind (see `finish`)."""
         kwargs, self._init = self._init, None
         try:
             import wandb
@@ -584,12 +592,26 @@ class WandbSink:
         return data
 
     def log(self, record: dict) -> None:
-        if self._init is not None:  # not started: hold the line until the run trains
+        event = record.get("event")
+        if self._init is not None:  # not started: hold the line until the run is about to train
             self._pending.append(record)
-            if record.get("event") is None or record.get("event") in PROGRESS_EVENTS:
+            if event in ("start", None) or event in PROGRESS_EVENTS:
                 self._start()
+                self._training = True
+            return
+        if self._training:  # training: only a list append (W&B gets the lines after it)
+            self._pending.append(record)
+            if event in TRAINING_ENDS:
+                self._flush()
             return
         self._log(record)
+
+    def _flush(self) -> None:
+        """Training is over: log the lines held during it."""
+        self._training = False
+        pending, self._pending = self._pending, []
+        for record in pending:
+            self._log(record)
 
     def _log(self, record: dict) -> None:
         if self.run is None:
@@ -614,6 +636,7 @@ class WandbSink:
                 self._init, self._pending = None, []
                 return
             self._start()
+        self._flush()  # a run that ended without its end line (a crash, Ctrl-C)
         if self.run is None:
             return
         try:

@@ -159,7 +159,7 @@ class FakeArtifact:
     def add_dir(self, path, policy="mutable"):
         self.files.append(path)
 
-    def add_file(self, path, name=None):
+    def add_file(self, path, name=None, policy="mutable"):
         self.files.append(path)
 
 
@@ -182,15 +182,17 @@ def test_sink_rows_keep_events_apart_on_the_iteration_axis(tmp_path, monkeypatch
     sink = WandbSink(wandb_cfg("offline", group="from-cfg"), tmp_path, "r1", "bamboo", "sweep",
                      {"backend": {"name": "local"}})
     sink.log({"event": "start", "clock": "wall", "nodes": 8})
-    assert not seen and sink.active  # W&B starts with the first progress line, not before
-    sink.log({"event": "iteration", "iteration": 5, "loss": 1.5, "plan": "1f1b", "ok": True})
+    # W&B starts with the start line, before training
     assert seen["group"] == "from-cfg" and seen["job_type"] == "bamboo" and seen["mode"] == "offline"
     assert seen["dir"] == str(tmp_path)
+    sink.log({"event": "iteration", "iteration": 5, "loss": 1.5, "plan": "1f1b", "ok": True})
     sink.log({"event": "fail", "node": 1, "time_s": 2.0, "iteration": 6})
     sink.log({"event": "recovery", "iteration": 6, "recovery_s": 3.0, "lost_iterations": 3,
               "actions": ["RestartJob", "RestoreCheckpoint"], "copies": [{"src": 1}]})
     sink.log({"event": "iteration", "iteration": 3, "loss": 2.0})  # a rollback: kept, not dropped
     sink.log({"event": "checkpoint_interval", "every": 4})  # no iteration: the last one seen
+    assert run.logged == [{"start/clock": "wall", "start/nodes": 8, "iteration": 0}]  # training: held
+    sink.log({"event": "end", "status": "ok"})  # after the run loop: the held lines, in order
     assert run.logged == [
         {"start/clock": "wall", "start/nodes": 8, "iteration": 0},
         {"iteration": 5, "loss": 1.5, "ok": 1},
@@ -199,6 +201,7 @@ def test_sink_rows_keep_events_apart_on_the_iteration_axis(tmp_path, monkeypatch
          "recovery/actions": "RestartJob, RestoreCheckpoint", "iteration": 6},
         {"iteration": 3, "loss": 2.0},
         {"checkpoint_interval/every": 4, "iteration": 3},
+        {"end/status": "ok", "iteration": 3},
     ]
     assert run.defined[0] == ("iteration", None)
     assert {("loss", "iteration"), ("start/*", "iteration"), ("recovery/*", "iteration")} <= set(run.defined)
@@ -223,6 +226,46 @@ def test_sink_rows_keep_events_apart_on_the_iteration_axis(tmp_path, monkeypatch
     assert "recoveries" not in run.summary  # lists stay in summary.json
     assert run.summary["ettr"] is None  # full_summary has no productive time
     assert not sink.active
+
+
+@pytest.mark.parametrize("backend", ["local", "sim"])
+def test_nothing_of_wandb_runs_while_training(tmp_path, monkeypatch, backend):
+    """The timed region is training: W&B starts before the run loop and gets its lines after
+    it, so a run's ETTR and throughput are what they are with wandb.mode=disabled. Every call
+    into W&B (init, log) is recorded with whether the run loop was running."""
+    import ftbench.loop as loop
+    from conftest import LOCAL, run as run_job
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    training, calls = [], []
+    loop_run = loop.RunLoop.run
+
+    def marked(self):
+        training.append(True)
+        try:
+            return loop_run(self)
+        finally:
+            training.pop()
+
+    class Run(FakeRun):
+        def log(self, data, step=None):
+            calls.append(("log", bool(training)))
+            super().log(data, step)
+
+    def init(**kwargs):
+        calls.append(("init", bool(training)))
+        return wandb_run
+
+    wandb_run = Run()
+    monkeypatch.setattr(loop.RunLoop, "run", marked)
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(init))
+    summary = run_job(tmp_path, *LOCAL, f"backend={backend}", "strategy=checkpoint", "strategy.every=2",
+                      "failures.events=[{iteration:3,node:1}]", "wandb.mode=offline")
+    assert summary["status"] == "ok" and summary["iterations"] == 10
+    assert calls[0] == ("init", False) and len(calls) > 5
+    assert not [call for call in calls if call[1]], "W&B was called while the run loop ran"
+    lines = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(wandb_run.logged) == len(lines) + 1  # every line, then the tables and images
 
 
 def test_ettr_is_productive_time_over_run_time(tmp_path, monkeypatch):
@@ -254,7 +297,8 @@ def test_sim_sink_uses_simulated_time_as_the_step_metric(tmp_path, monkeypatch):
     sink.log({"event": "checkpoint_interval", "every": 10})
     sink.log({"event": "odd name*", "x": 1})
     sink.log({"time_s": 102.0, "loss": 0.5})  # a bare record of numbers is progress
-    assert run.logged == [
+    sink.finish(full_summary(run_dir=str(tmp_path)))  # no end line: the held lines go first
+    assert run.logged[:-1] == [
         {"first": 0, "last": 49, "count": 50, "iteration_time_s": 2.0, "time_s": 100.0, "iteration": 49},
         {"fail/node": 3, "fail/iteration": 50, "time_s": 101.0},
         {"checkpoint_interval/every": 10, "time_s": 101.0},
