@@ -44,6 +44,10 @@ class HardwareConfig:
     restart_s: float = 60.0  # time to restart the training processes and rebuild communicators, s
     rendezvous_s: float = 5.0  # time for surviving processes to agree on membership and rebuild communicators, s
     host_gbps: float = 25.0  # GPU <-> host memory copy bandwidth per GPU (PCIe), GB/s: snapshots and in-memory commits
+    op_overhead_s: float = 0.0  # fixed cost of one compute op (launch, dispatch), s: `ftbench calibrate` measures it
+    detection_s: float = 0.0  # from a death nobody announced until the survivors agree on it, s
+    measured: Optional[Any] = None  # op times `ftbench calibrate` measured for one model, micro-batch and seq_len
+    provenance: Optional[Any] = None  # where a measured profile comes from: host, CPU/GPU, torch, date, command
 
 
 @dataclass

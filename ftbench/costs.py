@@ -1,8 +1,13 @@
 """Cost and memory model: op times, link times and per-worker memory, from a model shape and
 a hardware profile.
 
-Compute time is FLOPs / (peak x efficiency); `efficiency` is the one calibration factor per
-(model, hardware). Links are alpha-beta (latency + bytes / bandwidth) with no contention:
+Compute time is FLOPs / (peak x efficiency) plus a fixed cost per op (`op_overhead_s`:
+launch and dispatch, which dominate small ops); `efficiency` is the one calibration factor per
+(model, hardware). A profile measured by `ftbench calibrate` on the machine at hand
+(`hardware.measured`) gives each op kind's time as a fixed cost plus a cost per block (and the
+embedding and head units, and the optimizer step per parameter): where the run's model,
+micro-batch size and sequence length are the measured ones, op times are those lines
+(`CostModel.op_source` says which the run used). Links are alpha-beta (latency + bytes / bandwidth) with no contention:
 point-to-point sends overlap compute; the gradient all-reduce is a ring. Memory is
 mixed-precision Adam (16 bytes per parameter: fp16 weights and gradients, fp32 master
 weights, first and second moments; ZeRO paper, Rajbhandari et al. 2020) plus stashed
@@ -44,6 +49,27 @@ class StageCost:
     activation_bytes: float  # stashed from F until the backward (recompute=full: the stage's input)
     weight_stash_bytes: float  # the part W still needs after B
     recompute_bytes: float = 0.0  # recompute=full: the activations rebuilt for one backward, held while it runs
+    backward_s: float | None = None  # the fused backward (BW), one op; None: B + W
+
+    @property
+    def fused_backward_s(self) -> float:
+        return self.backward_input_s + self.backward_weight_s if self.backward_s is None else self.backward_s
+
+
+# `hardware.measured.ops`: the op kinds a calibrated profile times, each a line in the blocks
+MEASURED_OPS = ("forward", "backward_input", "backward_weight", "backward", "step")
+
+
+def measured_ops(hardware, spec: ModelSpec, microbatch_size: int, seq_len: int) -> dict | None:
+    """The calibrated op lines when the profile measured this model at this micro-batch size
+    and sequence length, else None (op times then come from FLOPs)."""
+    measured = getattr(hardware, "measured", None)
+    if not measured:
+        return None
+    same = (measured.get("model"), measured.get("microbatch_size"), measured.get("seq_len")) == \
+        (spec.name, microbatch_size, seq_len)
+    ops = measured.get("ops") or {}
+    return ops if same and all(kind in ops for kind in MEASURED_OPS) else None
 
 
 class CostModel:
@@ -58,12 +84,15 @@ class CostModel:
         # micro-batch's backward (the simulator reads it off PlanCosts; see the module docstring)
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
         self.flop_rate = hardware.peak_tflops * 1e12 * hardware.efficiency
+        self.overhead_s = float(getattr(hardware, "op_overhead_s", 0.0) or 0.0)
+        self.ops = measured_ops(hardware, spec, microbatch_size, seq_len)
+        self.op_source = "measured" if self.ops is not None else "flops"
 
     def key(self) -> tuple:
         hw = self.hw
         return (self.spec, self.b, self.s, hw.peak_tflops, hw.efficiency, hw.hbm_gbps,
                 hw.intra_node_gbps, hw.inter_node_gbps, hw.link_latency_us, hw.memory_gb, self.recompute,
-                self.overlap_grad_reduce)
+                self.overlap_grad_reduce, self.overhead_s, repr(self.ops))
 
     # -- compute ------------------------------------------------------------------------
     @lru_cache(maxsize=None)
@@ -90,8 +119,25 @@ class CostModel:
             # rebuild the activations, which live until that backward ends.
             bi += f
             act, recompute = spec.boundary_bytes(b, s), act
-        return StageCost(f / self.flop_rate, bi / self.flop_rate, bw / self.flop_rate,
-                         params, act, wstash, recompute)
+        if self.ops is not None:
+            return self._measured_stage(n, first, last, params, act, wstash, recompute)
+        o = self.overhead_s
+        f_s, bi_s, bw_s = f / self.flop_rate + o, bi / self.flop_rate + o, bw / self.flop_rate + o
+        return StageCost(f_s, bi_s, bw_s, params, act, wstash, recompute, bi_s + bw_s - o)
+
+    def _measured_stage(self, blocks: int, first: bool, last: bool, params: int, act: float, wstash: float,
+                        recompute: float) -> StageCost:
+        """A stage's op times from the calibrated lines: fixed + per block, plus the embedding
+        and head units where the stage holds them (recompute=full: B re-runs the forward)."""
+        def line(kind: str) -> float:
+            m = self.ops[kind]
+            return (m["fixed_s"] + m["per_block_s"] * blocks + (m.get("embedding_s", 0.0) if first else 0.0)
+                    + (m.get("head_s", 0.0) if last else 0.0))
+
+        f, bi, bw, fused = line("forward"), line("backward_input"), line("backward_weight"), line("backward")
+        if self.recompute == "full":
+            bi, fused = bi + f, fused + f
+        return StageCost(f, bi, bw, params, act, wstash, recompute, fused)
 
     def unit_params(self, units: Units) -> int:
         """Parameters in a range of units (ftbench.layers: 0 embeddings, 1..L blocks, L+1 head);
@@ -106,7 +152,10 @@ class CostModel:
         return params
 
     def optimizer_s(self, params: int) -> float:
-        """Adam is memory-bound: its time is the state traffic over HBM bandwidth."""
+        """Adam is memory-bound: its time is the state traffic over HBM bandwidth (measured:
+        the calibrated line in the parameters)."""
+        if self.ops is not None:
+            return self.ops["step"]["fixed_s"] + self.ops["step"]["per_param_s"] * params
         return ADAM_STEP_TRAFFIC_BYTES_PER_PARAM * params / (self.hw.hbm_gbps * 1e9)
 
     def state_copy_s(self, params: int) -> float:
@@ -208,7 +257,7 @@ class PlanCosts:
         if cost == "backward_weight":
             return c.backward_weight_s
         if cost == "backward":
-            return c.backward_input_s + c.backward_weight_s
+            return c.fused_backward_s
         if cost == "step":
             return self.model.optimizer_s(c.params)
         if cost == "copy":

@@ -719,8 +719,11 @@ class RunLoop:
             self.log({"event": err.status, "time_s": self.now(), "iteration": it, "reason": str(err)})
             return
         restored = it if restored is None else restored
+        detection = 0.0
         if self.modelled:
-            seconds = 0.0
+            # a failure is noticed when the survivors agree on it (hardware.detection_s), then recovered
+            detection = getattr(self.ctx.hardware, "detection_s", 0.0) if event.kind == "fail" else 0.0
+            seconds = detection
             for action in actions:
                 seconds += self._action_seconds(action, old, new)
                 if isinstance(action, SaveCheckpoint):
@@ -744,6 +747,8 @@ class RunLoop:
                                 for c in islice(chain.from_iterable(moved), COPIES_LISTED)]
             record["copies_total"] = total
             record["copied_bytes"] = math.fsum(chain.from_iterable(map(copy_sizes, moved)))
+        if detection:
+            record["detection_s"] = detection
         if fallback is not None:  # what did not verify, and what was done instead
             record["fallback"] = fallback
         if interrupted is not None:  # completed without them; they fail next

@@ -213,7 +213,8 @@ def _run(cfg, run_dir: Path, log, shared_dir: Path | None = None) -> dict:
     log({"event": "start", "clock": clock, "failures": script.description, "microbatches": ctx.microbatches,
          "global_batch": ctx.global_batch, "nodes": cluster.nodes})
     common = {"microbatches": ctx.microbatches, "global_batch": ctx.global_batch, "seq_len": ctx.seq_len,
-              "failure_script": script.description, "model_parameters": ctx.spec.parameters}
+              "failure_script": script.description, "model_parameters": ctx.spec.parameters,
+              "op_times": ctx.cost_model.op_source}  # measured (the profile's calibrated lines) or flops
     if ctx.backend == "local":
         return {**common, **_run_local(cfg, ctx, strategy, cluster, script, run_dir, log, clock)}
     if ctx.backend == "dist":  # one process per worker (ftbench/distributed/launch.py)

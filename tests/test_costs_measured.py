@@ -1,0 +1,90 @@
+"""The cost model's measured terms (issue 39 item 2): a fixed cost per op, op times from a
+calibrated profile's lines where it measured the run's model, and the detection of a death
+charged before its recovery."""
+import dataclasses
+
+import pytest
+
+from conftest import run
+from ftbench.config import HardwareConfig
+from ftbench.costs import CostModel
+from models.specs import resolve_model
+
+TINY = resolve_model("gpt-tiny")
+LINE = {"fixed_s": 1e-3, "per_block_s": 2e-3, "embedding_s": 5e-4, "head_s": 4e-3}
+OPS = {"forward": LINE, "backward_input": {**LINE, "per_block_s": 3e-3}, "backward_weight": {**LINE, "per_block_s": 1e-3},
+       "backward": {**LINE, "per_block_s": 3.5e-3}, "step": {"fixed_s": 2e-4, "per_param_s": 1e-9}}
+
+
+def _model(seq_len=32, **hardware) -> CostModel:
+    return CostModel(TINY, HardwareConfig(**{"name": "cpu", "peak_tflops": 0.1, **hardware}), 1, seq_len)
+
+
+def test_without_overhead_or_measurements_op_times_are_flops_alone():
+    plain, zero = _model(), _model(op_overhead_s=0.0)
+    for first, last in ((True, False), (False, False), (False, True)):
+        a, b = plain.stage((0, 2), first, last), zero.stage((0, 2), first, last)
+        assert a == b and a.fused_backward_s == a.backward_input_s + a.backward_weight_s
+    assert plain.op_source == "flops"
+
+
+def test_each_op_pays_the_fixed_cost_once_and_the_fused_backward_once():
+    plain, costly = _model(), _model(op_overhead_s=0.01)
+    a, b = plain.stage((0, 2), False, False), costly.stage((0, 2), False, False)
+    assert b.forward_s == pytest.approx(a.forward_s + 0.01)
+    assert b.backward_input_s == pytest.approx(a.backward_input_s + 0.01)
+    assert b.backward_weight_s == pytest.approx(a.backward_weight_s + 0.01)
+    assert b.fused_backward_s == pytest.approx(a.fused_backward_s + 0.01)  # one op, not two
+
+
+def test_a_measured_profile_gives_its_lines_for_the_model_it_measured():
+    measured = {"model": "gpt-tiny", "microbatch_size": 1, "seq_len": 32, "ops": OPS}
+    model = _model(measured=measured)
+    assert model.op_source == "measured"
+    middle, first, last = model.stage((1, 3), False, False), model.stage((0, 2), True, False), model.stage((2, 4), False, True)
+    assert middle.forward_s == pytest.approx(1e-3 + 2 * 2e-3)
+    assert first.forward_s == pytest.approx(1e-3 + 2 * 2e-3 + 5e-4)
+    assert last.backward_input_s == pytest.approx(1e-3 + 2 * 3e-3 + 4e-3)
+    assert middle.backward_weight_s == pytest.approx(1e-3 + 2 * 1e-3)
+    assert middle.fused_backward_s == pytest.approx(1e-3 + 2 * 3.5e-3)
+    assert model.optimizer_s(1000) == pytest.approx(2e-4 + 1e-6)
+    # another sequence length was not measured: FLOPs (and the fixed cost), said so
+    other = _model(seq_len=16, measured=measured)
+    assert other.op_source == "flops" and other.stage((1, 3), False, False) != middle
+
+
+def test_a_measured_profile_times_a_sim_run(tmp_path):
+    """The sim's iteration follows the measured lines: fault-free 1F1B on pp 2 x dp 1 with 2
+    micro-batches is F0 F0' F1 F1' ... on the critical path; with every line doubled it takes
+    twice as long (links aside), and the summary says which op times it used."""
+    measured = {"model": "gpt-tiny", "microbatch_size": 1, "seq_len": 32, "ops": OPS}
+    doubled = {kind: {k: 2 * v for k, v in line.items()} for kind, line in OPS.items()}
+    setup = ("backend=sim", "model=gpt-tiny", "hardware=cpu", "cluster.pp=2", "cluster.dp=1", "train.microbatches=2",
+             "train.iterations=2", "strategy=none", "failures=none", "hardware.link_latency_us=0",
+             "hardware.intra_node_gbps=1e9", "hardware.inter_node_gbps=1e9", "report.gantt=false")
+    once = run(tmp_path / "once", *setup, f"+hardware.measured={_yaml(measured)}")
+    twice = run(tmp_path / "twice", *setup, f"+hardware.measured={_yaml({**measured, 'ops': doubled})}")
+    assert once["op_times"] == twice["op_times"] == "measured"
+    assert twice["iteration_time_s"] == pytest.approx(2 * once["iteration_time_s"], rel=1e-6)
+
+
+def test_detection_is_charged_before_a_failures_recovery(tmp_path):
+    setup = ("backend=sim", "model=gpt3-medium", "hardware=a100-80gb", "strategy=checkpoint", "strategy.every=10",
+             "train.iterations=30", "failures=scripted", "failures.events=[{iteration:15,node:3}]",
+             "report.gantt=false", "report.check_fault_free=false")
+    (base,) = run(tmp_path / "base", *setup)["recoveries"]
+    (slow,) = run(tmp_path / "slow", *setup, "hardware.detection_s=2.5")["recoveries"]
+    assert "detection_s" not in base and slow["detection_s"] == 2.5
+    assert slow["recovery_s"] == pytest.approx(base["recovery_s"] + 2.5)
+
+
+def _yaml(value) -> str:
+    """A Hydra override value for a nested dict."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_yaml(v)}" for k, v in value.items()) + "}"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def test_hardware_config_has_the_measured_fields():
+    names = {f.name for f in dataclasses.fields(HardwareConfig)}
+    assert {"op_overhead_s", "detection_s", "measured", "provenance"} <= names
