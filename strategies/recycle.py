@@ -182,7 +182,6 @@ class ReCycle(CheckpointRestart):
         for d, s in self.failed:
             down[s].append(d)
         renamed, owners, absent = {}, {}, set()
-        edited: dict[int, list] = {}  # reference part index -> its records renamed (None: dropped)
         for s, failed in down.items():
             absent.update(d * pp + s for d in failed)
             lost = set(failed)
@@ -191,25 +190,13 @@ class ReCycle(CheckpointRestart):
             for i, d in zip(free, beyond):  # real worker i runs canonical pipeline d's work
                 w, r = i * pp + s, d * pp + s
                 renamed[w], owners[w] = r, d
-            for d in failed:
-                if d < most:  # an idle worker of the reference that is failed
-                    edited[ref.part_of[d * pp + s]] = None
-            for i, d in zip(free, beyond):
-                edited[ref.part_of[i * pp + s]] = None  # its idle part: it runs d's work instead
-        moved = {r: w for w, r in renamed.items()}
-        for r in moved:
-            k = ref.part_of[r]
-            if k not in edited:
-                edited[k] = sorted((moved.get(x, x), tid) for x, tid in ref.members[k][1])
         of = dict(ops.of)
         of.update((w, ops.of[r]) for w, r in renamed.items())
         for w in absent:
             del of[w]
-        members = [part if k not in edited else (part[0], edited[k]) for k, part in enumerate(ref.members)
-                   if k not in edited or edited[k] is not None]
-        members.sort(key=lambda part: part[1][0][0])
+        # (its parts are left for GridOps.parts to find when someone reads them: the cache times
+        # the plan as its reference, so most renamed plans are never split into parts)
         grid = GridOps(ops.templates, of)
-        grid.set_parts(members)
         holds = dict(holds)
         holds.update((w, holds[r]) for w, r in renamed.items())
         node_of = dict(node_of)
@@ -341,13 +328,11 @@ def _hops_within_nodes(cluster: Cluster) -> bool:
 
 
 class _Reference:
-    """A reference plan of whole failed pipelines (ReCycle._reference), with where each of its
-    workers' part is in its parts list."""
+    """A reference plan of whole failed pipelines (ReCycle._reference) and the stored plan it
+    renames."""
 
     def __init__(self, stored, plan: Plan):
         self.stored, self.plan = stored, plan
-        self.members = plan.schedule.ops.parts()
-        self.part_of = {w: k for k, (_, records) in enumerate(self.members) for w, _ in records}
 
 
 def _coupled_ops(problem) -> int:
@@ -366,8 +351,11 @@ def _whole_form(failed_pipelines: int, dp: int, pp: int):
     planned once per shape), and where a stage lost fewer than k, its first surviving workers
     idle, stepping their replica with the reduced gradient. A failed worker's micro-batches alone
     would couple its pipeline with every peer that takes one (sixty-five pipelines of ops to
-    schedule and simulate as one for each new configuration, at 64 micro-batches)."""
-    return normalise({(d, s) for d in range(failed_pipelines) for s in range(pp)}, dp, pp)[0]
+    schedule and simulate as one for each new configuration, at 64 micro-batches).
+
+    Written out, not normalised (this is asked at every failure): normalise puts the pipelines
+    with the most failed stages first, so the lost ones lead and the whole ones follow."""
+    return (tuple(range(pp)),) * failed_pipelines + ((),) * (dp - failed_pipelines)
 
 
 def _listed_ops(stored, renaming: Renaming, pp: int, idle: dict[int, int]) -> dict[int, list[Op]]:
@@ -397,9 +385,11 @@ def _grid_ops(stored, renaming: Renaming, pp: int, idle: dict[int, int]) -> Grid
             templates.append(tuple((op.kind, op.stage, op.microbatch, op.pipeline) for op in order_)
                              + ((OPT, pos[1], NO_MICROBATCH, pos[0]),))
         for part in parts:
-            flows = PartFlows(tuple([label[i] for i in part.pipeline_of]), part.microbatches)
-            records = sorted((grid_worker(at[s][i], s, pp), ids[local]) for (i, s), local in part.local.items())
-            of.update((w, (tid, flows)) for w, tid in records)
+            flows = PartFlows(tuple(map(label.__getitem__, part.pipeline_of)), part.microbatches)
+            # (grid_worker written out: sixteen thousand workers at every failure of a large grid)
+            records = [(at[s][i] * pp + s, ids[local]) for (i, s), local in part.local.items()]
+            records.sort()
+            of.update([(w, (tid, flows)) for w, tid in records])
             members.append((flows, records))
     steps = {}  # an idle worker's template, per stage: its step alone, a part of its own
     for w, d in idle.items():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from operator import itemgetter
 
 from ftbench.planning.problem import PlanningProblem, Position
 from ftbench.plan import grid_replicas
@@ -178,7 +179,7 @@ def _split_pipelines(problem: PlanningProblem) -> list[tuple[PartProblem, list[P
             microbatches = tuple(tuple(mbs[d]) for d in pipelines)
             load = m + len(foreign)
         stand_in = (p, counts, hop_class[e], load)
-        workers = [held for (held,) in replicas[e * pp:(e + 1) * pp]]
+        workers = list(map(itemgetter(0), replicas[e * pp:(e + 1) * pp]))  # each holds one replica: its own
         found = known.get(stand_in)
         if found is None:
             caps = tuple((at[p][s], *problem._caps_at(s, load)) for s in range(pp))

@@ -198,6 +198,11 @@ class PlanningProblem:
 
     def memory_shortfall(self) -> str | None:
         """Why no schedule of this problem fits in memory (None: one does)."""
+        return self._shortfall
+
+    @cached_property
+    def _shortfall(self) -> str | None:
+        # (worked out once: each priority rule of the list scheduler asks)
         m = self.microbatches
         loads = [{m + n for n in extra.values()} | ({m} if len(self.survivors(s)) > len(extra) else set())
                  for s, extra in enumerate(self._extra)]  # the loads that occur, per stage

@@ -91,21 +91,17 @@ def bound_copies(parts, costs, templates) -> tuple[list[BoundCopy], list[PartFlo
     node_of, partition, holds = plan.node_of, plan.partition, plan.holds
     split_id: dict[int, int] = {}  # id of a pipeline's partition (alive with the plan) -> a small number
     split_of = [split_id.setdefault(id(layers), len(split_id)) for layers in partition]
-    step: dict[int, tuple] = {}  # template id -> its one step (local pipeline, stage), or () if not one
-
-    def steps_of(tid: int) -> tuple:
-        found = step.get(tid)
-        if found is None:
-            steps = [(op[3], op[1]) for op in templates[tid] if op[0] == OPT]
-            found = step[tid] = steps[0] if len(steps) == 1 else (-1, -1)  # -1: never a plain grid replica
-        return found
+    one_split = len(split_id) == 1  # every pipeline cut alike (a grid): each local pipeline's split is 0
+    sequences = _Sequences(templates)
     same_node = {}  # workers per part -> the pattern of one node for all
     first: dict[tuple, tuple] = {}
     out = []
+    known = sequences.found
     for flows, members in parts:
-        tids = list(map(_template, members))
-        if tids != sorted(tids):
-            members = sorted(members, key=_template)  # by template: its place in the shape
+        found = known.get(tuple(map(_template, members)))
+        order, templates_id, steps = found if found is not None else sequences.of(members)
+        if order is not None:
+            members = [members[i] for i in order]  # by template: its place in the shape
         workers = tuple(map(_worker, members))
         nodes = list(map(node_of.__getitem__, workers))
         if nodes.count(nodes[0]) == len(nodes):
@@ -113,22 +109,54 @@ def bound_copies(parts, costs, templates) -> tuple[list[BoundCopy], list[PartFlo
         else:
             relabel: dict[int, int] = {}
             pattern = tuple([relabel.setdefault(n, len(relabel)) for n in nodes])
-        tids = tuple(map(_template, members))
         pipes = flows.pipelines
         # The state each worker keeps: usually exactly the replica it steps, which its template
         # and the part's pipelines already fix; else each replica by its layers.
-        if all(holds.get(w) == ((pipes[p], st),) for w, (p, st) in zip(workers, map(steps_of, tids))):
+        if list(map(holds.get, workers)) == [((pipes[p], st),) for p, st in steps]:
             forms = None
         else:
             forms = tuple(tuple((split_id.setdefault(id(partition[d]), len(split_id)), s) for d, s in holds.get(w, ()))
                           for w in workers)
-        key = (tids, tuple(map(split_of.__getitem__, pipes)), pattern, forms)
+        splits = (0,) * len(pipes) if one_split else tuple(map(split_of.__getitem__, pipes))
+        key = (templates_id, splits, pattern, forms)
         rep = first.get(key)
         if rep is None:
             first[key] = (workers, flows, {})
         else:
             out.append(BoundCopy(dict(zip(rep[0], workers)), rep[1], flows, rep[2]))
     return out, [flows for _, flows, _ in first.values()]
+
+
+class _Sequences:
+    """Per sequence of template ids (a part's members in worker order), worked out once: the
+    order that sorts the members by template (None: already sorted), a number for the sorted
+    template ids (equal for equal ones: a short stand-in in the part's key), and each one's
+    optimizer step (local pipeline, stage), (-1, -1) where a template has no single step
+    (never a plain grid replica). Parts of one shape share their sequence."""
+
+    def __init__(self, templates):
+        self.templates = templates
+        self.found: dict[tuple, tuple] = {}
+        self.number: dict[tuple, int] = {}
+        self.step: dict[int, tuple] = {}
+
+    def of(self, members) -> tuple:
+        tids = tuple(map(_template, members))
+        found = self.found.get(tids)
+        if found is None:
+            ranked = sorted(tids)
+            # (a stable sort of the members by template, as sorted(members, key=_template))
+            order = None if list(tids) == ranked else sorted(range(len(tids)), key=tids.__getitem__)
+            number = self.number.setdefault(tuple(ranked), len(self.number))
+            found = self.found[tids] = (order, number, [self.steps_of(t) for t in ranked])
+        return found
+
+    def steps_of(self, tid: int) -> tuple:
+        found = self.step.get(tid)
+        if found is None:
+            steps = [(op[3], op[1]) for op in self.templates[tid] if op[0] == OPT]
+            found = self.step[tid] = steps[0] if len(steps) == 1 else (-1, -1)
+        return found
 
 
 _worker, _template = itemgetter(0), itemgetter(1)

@@ -154,11 +154,15 @@ class _Replicas:
         # garbage collector stops tracking them, so thousands kept cost no collection time)
         self.parts = list(parts)  # copies of parts whose workers run other pipelines' ops (ftbench/sim/parts.py)
         self.rep_of_worker = {wc: wr for d, r in copies.items() for wc, wr in zip(ordered[d], ordered[r])}
-        self.rep_of_worker.update((wc, wr) for part in self.parts for wr, wc in part.workers.items())
+        for part in self.parts:  # (in bulk: a large grid's plan has thousands of copied parts)
+            self.rep_of_worker.update(zip(part.workers.values(), part.workers))
         self.copies_of_worker = defaultdict(list)  # a part's representative worker -> its copies
+        by_rep = defaultdict(list)  # a representative's workers -> its copies' workers, copy by copy
         for part in self.parts:
-            for wr, wc in part.workers.items():
-                self.copies_of_worker[wr].append(wc)
+            by_rep[tuple(part.workers)].append(part.workers.values())
+        for reps, copied in by_rep.items():
+            for wr, wcs in zip(reps, zip(*copied)):
+                self.copies_of_worker[wr].extend(wcs)
         self.absent_pipelines: set[int] = set()  # every flow of them runs in copied parts
         self.only: dict[int, list[int]] = {}  # other pipelines with flows in copied parts -> their other flows
 
@@ -416,7 +420,7 @@ class Simulation:
             end_prev = max([e for *_, e in prev_ops] + [e for *_, e in prev_ar])
             end_last = max([e for *_, e in ops_out] + [e for *_, e in ar_out])
             period = end_last - end_prev
-            shift = lambda rows: [(*r[:2], r[2] - t0, r[3] - t0) for r in rows]  # noqa: E731
+            shift = lambda rows: [(w, op, s - t0, e - t0) for w, op, s, e in rows]  # noqa: E731
             previous = shift(prev_ops)
             ops_out, ar_out = shift(ops_out), shift(ar_out)
         result = _summarise(_Simulated(self.run), self.costs, ops_out, ar_out)
@@ -424,7 +428,7 @@ class Simulation:
             # A copy's figures are its representative's (same orders, same costs, same static state).
             rep = replicas.rep_of_worker.get
             workers = list(schedule.ops)
-            source = [rep(w, w) for w in workers]
+            source = list(map(rep, workers, workers))
             every = lambda values: dict(zip(workers, map(values.__getitem__, source)))  # noqa: E731
             result.busy, result.peak_stash = every(result.busy), every(result.peak_stash)
             result.peak_activation_bytes = every(result.peak_activation_bytes)
