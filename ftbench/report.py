@@ -124,10 +124,12 @@ def plot_gantt(timeline: list[dict], path: Path | str, title: str = "",
     return path
 
 
-def plot_gantt_panels(panels: list[tuple[str, list[dict]]], path: Path | str, title: str = "") -> Path:
-    """Several timelines stacked vertically on one shared time axis, one panel per
-    (title, timeline), into a PNG: same origin and scale everywhere, so lengths compare at a
-    glance. Panels draw as in plot_gantt; the legend (every kind in any panel) appears once."""
+def plot_gantt_panels(panels: list[tuple[str, list[dict]]], path: Path | str, title: str = "",
+                      shared_axis: bool = True) -> Path:
+    """Several timelines stacked vertically, one panel per (title, timeline), into a PNG: on one
+    shared time axis (same origin and scale everywhere, so lengths compare at a glance), or
+    with `shared_axis=False` each on its own (a measured run beside a model of it). Panels
+    draw as in plot_gantt; the legend (every kind in any panel) appears once."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -141,14 +143,15 @@ def plot_gantt_panels(panels: list[tuple[str, list[dict]]], path: Path | str, ti
     width_in, row_in = 12.0, 0.3
     # Each panel: its rows plus about 0.9 in for its two-line title and the tick labels.
     heights = [0.9 + row_in * max(len(_gantt_rows(tl, {})[0]), 1) for tl in timelines]
-    fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False,
+    fig, axes = plt.subplots(len(panels), 1, sharex=shared_axis, squeeze=False,
                              figsize=(width_in, sum(heights) + 0.6 + (0.4 if title else 0.0)),
                              gridspec_kw={"height_ratios": heights}, layout="constrained")
     axes = [row[0] for row in axes]
     try:
         for ax, (panel_title, timeline) in zip(axes, panels):
-            _draw_gantt(ax, timeline, {}, panel_title, t0, span, width_in, row_in)
-        for ax in axes[:-1]:
+            origin, length = (t0, span) if shared_axis else gantt_span([timeline])
+            _draw_gantt(ax, timeline, {}, panel_title, origin, length, width_in, row_in)
+        for ax in axes[:-1] if shared_axis else ():
             ax.set_xlabel("")  # one time axis: labelled at the bottom only
         axes[0].legend(handles=_legend_handles(timelines), loc="upper left",
                        bbox_to_anchor=(1.01, 1.0), frameon=False)

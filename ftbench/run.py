@@ -319,7 +319,7 @@ def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: s
         outcome = run_loop(ctx, strategy, cluster, script, LocalBackend(engine, realtime=clock == "wall"), timelines,
                            log, progress, clock=clock)
     if outcome.first_timeline is not None and cfg.report.gantt:
-        _draw_gantt(outcome, timelines, run_dir, cfg, ctx)
+        _draw_gantt(outcome, timelines, run_dir, cfg, ctx, measured=engine.op_timer.timed)
     result = {**_totals(outcome, ctx.global_batch), "losses": outcome.losses, "clock": clock, "threads": threads,
               "peak_memory_bytes": [engine.peak_memory[w] for w in sorted(engine.peak_memory)],
               "peak_host_bytes_max": max(engine.peak_host.values(), default=0),
@@ -386,14 +386,17 @@ def fault_free_reference(cfg, ctx, progress: bool = False) -> tuple[list[float],
     return outcome.losses, engine.final_state()
 
 
-def _draw_gantt(outcome, timelines, run_dir: Path, cfg, ctx) -> None:
-    """One simulated iteration of the first plan; with a recovery that changed the plan, the
-    plan after the first such recovery below it, on the same time axis."""
+def _draw_gantt(outcome, timelines, run_dir: Path, cfg, ctx, measured: list | None = None) -> None:
+    """sim: one simulated iteration of the first plan; with a recovery that changed the plan,
+    the plan after the first such recovery below it, on the same time axis. local and dist
+    (`measured`: ftbench.engine.op_times): each timed iteration as it ran, beside the cost
+    model's picture of the same plan, each on its own time axis."""
     first = outcome.first_timeline
     title = (f"{ctx.spec.name}, {cfg.schedule.name}, pp={cfg.cluster.pp} dp={cfg.cluster.dp}, "
              f"m={ctx.microbatches}, {cfg.hardware.name}: one iteration {first.iteration_time:.3g} s")
-    if ctx.backend != "sim":  # local and dist time their ops, but this picture is the simulator's
-        title += f"\n(the cost model's picture of this run's plan on {cfg.hardware.name}, not the measured run)"
+    if measured:
+        _draw_measured_gantt(measured, timelines, run_dir, cfg, ctx)
+        return
     try:
         after = outcome.plan_after_recovery
         if after is None:
@@ -405,6 +408,28 @@ def _draw_gantt(outcome, timelines, run_dir: Path, cfg, ctx) -> None:
                   (f"after the first recovery: {after.name}, {after.shape}, {second.iteration_time:.3g} s",
                    second.timeline())]
         plot_gantt_panels(panels, run_dir / "gantt.png", title=title)
+    except Exception as err:  # a plot must never cost the run its results
+        warnings.warn(f"could not draw the Gantt chart: {err}")
+
+
+def _draw_measured_gantt(measured: list[dict], timelines, run_dir: Path, cfg, ctx) -> None:
+    """What ran beside what the cost model predicts, for the first iteration of each plan timed."""
+    panels = []
+    for entry in measured:
+        t0 = min((op["start"] for op in entry["ops"]), default=0.0)
+        ops = [{**op, "start": op["start"] - t0, "end": op["end"] - t0} for op in entry["ops"]]
+        span = max((op["end"] for op in ops), default=0.0)
+        how = "one process runs every worker's ops in turn" if ctx.backend == "local" else "a process per worker"
+        panels.append((f"measured: {entry['plan']}, {entry['shape']}, iteration {entry['iteration']}, "
+                       f"{span:.3g} s of compute ops (wall clock, this machine; {how})", ops))
+        if entry.get("model") is not None:
+            model = timelines(entry["model"])
+            panels.append((f"cost model: the same plan on hardware={cfg.hardware.name} ({ctx.cost_model.op_source} "
+                           f"op times), {model.iteration_time:.3g} s", model.timeline()))
+    title = (f"{ctx.spec.name}, {cfg.schedule.name}, {ctx.backend}: each plan's first complete iteration as it ran, "
+             "above the cost model's picture of it (each panel on its own time axis)")
+    try:
+        plot_gantt_panels(panels, run_dir / "gantt.png", title=title, shared_axis=False)
     except Exception as err:  # a plot must never cost the run its results
         warnings.warn(f"could not draw the Gantt chart: {err}")
 

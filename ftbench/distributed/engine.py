@@ -35,6 +35,7 @@ from ftbench.engine.log_file import replay_sources
 from ftbench.engine.transport import ACT
 from ftbench.errors import ResultError
 from ftbench.engine.executor import WorkerExecutor, in_chunk, sum_chunks, sync_members, take_grads
+from ftbench.engine.op_times import OpTimer, now as op_clock
 from ftbench.engine.worker import StageReplica, Worker
 from ftbench.layers import GradientSync, fragment_layout, model_layers, stage_units
 from ftbench.models.data import batch
@@ -62,6 +63,7 @@ class DistEngine:
         # rank learnt it: each strike's survivors sum their counts (DistBackend)
         self.undone = 0
         self.kill = kill  # backend.kill: (rank, iteration, ops) where this job's chaos test dies
+        self.op_timer = OpTimer()  # this rank's ops in the first complete iteration of each plan (gantt.png)
         self.recompute = recompute  # train.recompute, as the local backend's executor takes it
         self.dtype, self.transport, self.device, self.store = dtype, transport, device, store
         self.rank = transport.rank
@@ -190,6 +192,7 @@ class DistEngine:
                 # a cut iteration's records are dropped with it (abandon_iteration)
                 transport = LoggingTransport(transport, self.boundary_log, plan.logged, iteration)
             executor = WorkerExecutor(self.worker, transport, plan, tokens, normaliser, **extra)
+            timer = self.op_timer.begin(plan, iteration) if completed is None else None
             self._commit_steps()  # nothing recorded reaches back into an earlier iteration
             dies_after = self.kill[2] if self.kill and self.kill[:2] == (self.rank, iteration) and completed is None \
                 and isinstance(self.kill[2], int) else None
@@ -202,7 +205,10 @@ class DistEngine:
                 _, op, waits = step
                 for sync in waits:
                     executor.reduce_wait(sync, members[sync])
+                started = op_clock() if timer is not None else 0.0
                 share = executor.run(op)
+                if timer is not None:
+                    timer.record(self.rank, op, started, op_clock())
                 if share is not None:
                     vector[slots[op]] = share
             if dies_after is not None:
@@ -226,6 +232,8 @@ class DistEngine:
             raise DistError(f"the ranks' run loops disagree at iteration {iteration}: iterations "
                             f"{[int(m) - 1 for m in its]}, plan fingerprints {[int(m) for m in crcs]} (ranks {alive})")
         self._commit_steps()  # every rank ended the iteration: its steps stand
+        if self.worker is not None and self.op_timer.current is not None:
+            self.op_timer.end()
         if self.boundary_log is not None:
             self.boundary_log.seal(iteration)  # only now: a death before the sum abandons the iteration
         loss = torch.zeros((), dtype=torch.float64)

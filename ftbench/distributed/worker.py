@@ -334,11 +334,15 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     backend = DistBackend(engine, cluster.gpus_per_node, cluster.nodes, membership, recover=recover, stall=stall)
     outcome = run_loop(ctx, strategy, cluster, script, backend, timelines, log, None, clock=clock)
     backend.close_log()  # the run is over: the log folder goes (as on local)
+    if cfg.report.gantt:
+        engine.op_timer.write(run_dir, rank)  # before the gather below, which every rank reaches after it
     state = engine.gather_final_state() if outcome.status == "ok" else None
     if rank != transport.leader:
         return None
     if outcome.first_timeline is not None and cfg.report.gantt:
-        _draw_gantt(outcome, timelines, run_dir, cfg, ctx)
+        from ftbench.engine.op_times import merged
+
+        _draw_gantt(outcome, timelines, run_dir, cfg, ctx, measured=merged(engine.op_timer.timed, run_dir))
     result = {**_totals(outcome, ctx.global_batch), "losses": outcome.losses, "clock": clock, "threads": threads,
               "peak_memory_bytes": [outcome.peak_memory_bytes[w] for w in sorted(outcome.peak_memory_bytes)],
               "final_state": None, "matches_fault_free": None, "processes": world,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ftbench.costs import RECOMPUTE_MODES
+from ftbench.engine.op_times import now as op_clock
 from ftbench.engine.transport import ACT, GRAD, InProcessTransport, Transport
 from ftbench.engine.worker import StageReplica, Worker
 from ftbench.layers import GradientSync, fragment_layout, model_layers, stage_units
@@ -315,10 +316,11 @@ class Executor:
                 run(node)
 
     def run(self, plan, tokens, normaliser: float, completed: frozenset | None = None,
-            transport: Transport | None = None) -> IterationResult:
+            transport: Transport | None = None, timer=None) -> IterationResult:
         """Run the plan's iteration. With `completed` (a set of ops closed under dependencies
         and each worker's order: where a failure strikes), run exactly those ops, and the
-        gradient syncs that some completed OPT waits for; the result is then incomplete."""
+        gradient syncs that some completed OPT waits for; the result is then incomplete.
+        `timer` (ftbench.engine.op_times.OpTimer) gets every op's start and end."""
         deps, order, members = self.graph(plan)
         if completed is not None:
             _check_closed(plan, deps, completed)
@@ -340,7 +342,10 @@ class Executor:
                 continue
             if completed is not None and node not in completed:
                 continue
+            started = op_clock() if timer is not None else 0.0
             share = execs[where[node]].run(node)
+            if timer is not None:
+                timer.record(where[node], node, started, op_clock())
             if share is not None:
                 loss += share
             ran += 1

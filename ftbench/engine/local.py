@@ -18,6 +18,7 @@ from ftbench.checkpoint import CheckpointStore
 from ftbench.engine.boundary_log import BoundaryLog, LoggingTransport, ReplayTransport, unusable_replay
 from ftbench.engine.log_file import LogInvalid, replay_sources
 from ftbench.engine.executor import Executor, IterationResult
+from ftbench.engine.op_times import OpTimer
 from ftbench.engine.worker import StageReplica, Worker
 from ftbench.errors import ReplayUnavailable, ResultError
 from ftbench.layers import fragment_layout, model_layers, stage_units
@@ -74,6 +75,7 @@ class LocalEngine:
         # boundary log until it is written (Swift)
         self.peak_host: dict[int, int] = {}
         self.undone = 0  # optimizer steps undone over the run (abandoned iterations), all replicas
+        self.op_timer = OpTimer()  # the first complete iteration of each plan, op by op (gantt.png)
 
     # -- building state -----------------------------------------------------------------
     def _new_replica(self, plan, pipeline: int, stage: int) -> StageReplica:
@@ -138,9 +140,12 @@ class LocalEngine:
         log, transport = self.boundary_log, None
         if log is not None and self.plan.logged:
             transport = LoggingTransport(self.executor.transport, log, self.plan.logged, iteration)
-        result = self.executor.run(self.plan, self.tokens(iteration), self.normaliser, completed, transport)
+        timer = self.op_timer.begin(self.plan, iteration) if completed is None else None
+        result = self.executor.run(self.plan, self.tokens(iteration), self.normaliser, completed, transport, timer)
         self._track_memory()  # with the steps' undo records, which live until the iteration completes
         if result.complete:
+            if timer is not None:
+                timer.end()
             self._commit_steps()
             if log is not None:
                 log.seal(iteration)
