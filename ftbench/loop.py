@@ -317,10 +317,11 @@ class RunLoop:
         self._flight: InFlight | None = None  # the recovery a timed change would be merged into
         self._merging: InFlight | None = None  # set while the strategy answers a merged change
         self._waits = 0  # waits for nodes so far (_wait_for_nodes)
+        self._charged = 0.0  # wall clock: restarts a backend charged rather than performed (restarts_in_place)
 
     # -- clock --------------------------------------------------------------------------
     def now(self) -> float:
-        return self.t if self.modelled else time.perf_counter() - self._wall0
+        return self.t if self.modelled else time.perf_counter() - self._wall0 + self._charged
 
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> LoopOutcome:
@@ -719,7 +720,7 @@ class RunLoop:
             self.log({"event": err.status, "time_s": self.now(), "iteration": it, "reason": str(err)})
             return
         restored = it if restored is None else restored
-        detection = 0.0
+        detection = charged_restart = 0.0
         if self.modelled:
             # a failure is noticed when the survivors agree on it (hardware.detection_s), then recovered
             detection = getattr(self.ctx.hardware, "detection_s", 0.0) if event.kind == "fail" else 0.0
@@ -730,7 +731,11 @@ class RunLoop:
                     self.ckpt.ledger.add(it, self.t + seconds)
             self.t += seconds
         else:
-            seconds = time.perf_counter() - started
+            charged = getattr(self.backend, "charged", 0.0) if getattr(self.backend, "restarts_in_place", False) else 0.0
+            self._charged += charged
+            seconds = time.perf_counter() - started + charged
+            if charged:
+                charged_restart = charged
         self.plan, self.it = new, restored
         self.ckpt.recovered(restored)  # the post-change checkpoint (strategy.checkpoint_after_change)
         self.kept.rollback(restored)  # iterations restored..it-1 were lost: their redo counts instead
@@ -749,6 +754,8 @@ class RunLoop:
             record["copied_bytes"] = math.fsum(chain.from_iterable(map(copy_sizes, moved)))
         if detection:
             record["detection_s"] = detection
+        if charged_restart:  # one process cannot restart itself: the rest of a restart, charged
+            record["charged_restart_s"] = charged_restart
         if fallback is not None:  # what did not verify, and what was done instead
             record["fallback"] = fallback
         if interrupted is not None:  # completed without them; they fail next

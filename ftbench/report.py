@@ -369,6 +369,10 @@ def format_summary(summary: dict) -> str:
     status = _or_dash(s.get("status"))
     if s.get("status") != "ok" and s.get("error"):
         status += f": {s['error']}"
+    charged = sum(float(r.get("charged_restart_s") or 0.0) for r in s.get("recoveries") or [] if isinstance(r, dict))
+    clock_time = human_duration(s.get("time_s"))
+    if charged:  # local: restarts a process cannot perform on itself, charged at the measured profile's cost
+        clock_time += f" ({human_duration(charged)} of it charged for process restarts: hardware.restart_s)"
     rows = [
         ("strategy", _or_dash(s.get("strategy"))),
         ("backend", _or_dash(s.get("backend"))),
@@ -376,7 +380,7 @@ def format_summary(summary: dict) -> str:
         ("pp x dp", f"{_or_dash(s.get('pp'))} x {_or_dash(s.get('dp'))}" + _final_shape(s)),
         ("micro-batches", microbatches),
         ("iterations", iterations),
-        ("simulated time" if sim else "wall time", human_duration(s.get("time_s"))),
+        ("simulated time" if sim else "wall time", clock_time),
         ("throughput", f"{_short(throughput)} samples/s"
          if isinstance(throughput, (int, float)) else "-"),
         ("ETTR", _percent(summary_ettr(s))),

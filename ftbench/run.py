@@ -316,7 +316,9 @@ def _run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: s
     engine = local_engine(cfg, ctx, strategy, run_dir, log)
     timelines = SimCache(ctx.cost_model)  # failure points (and the modelled clock's times)
     with _progress(ctx, cfg.report.progress, "training") as progress:
-        outcome = run_loop(ctx, strategy, cluster, script, LocalBackend(engine, realtime=clock == "wall"), timelines,
+        measured = getattr(ctx.hardware, "provenance", None) is not None  # restart_s measured here, not assumed
+        backend = LocalBackend(engine, realtime=clock == "wall", restart_s=ctx.hardware.restart_s if measured else 0.0)
+        outcome = run_loop(ctx, strategy, cluster, script, backend, timelines,
                            log, progress, clock=clock)
     if outcome.first_timeline is not None and cfg.report.gantt:
         _draw_gantt(outcome, timelines, run_dir, cfg, ctx, measured=engine.op_timer.timed)

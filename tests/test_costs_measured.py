@@ -88,3 +88,21 @@ def _yaml(value) -> str:
 def test_hardware_config_has_the_measured_fields():
     names = {f.name for f in dataclasses.fields(HardwareConfig)}
     assert {"op_overhead_s", "detection_s", "measured", "provenance"} <= names
+
+
+def test_a_local_restart_on_a_measured_profile_is_charged_its_measured_restart(tmp_path):
+    """One process cannot restart itself: on a profile `ftbench calibrate` measured
+    (`provenance`), a RestartJob rebuilds every worker in place and the wall clock is charged
+    the rest of the profile's restart; on an assumed profile nothing is charged."""
+    from conftest import LOCAL
+
+    setup = (*LOCAL, "hardware=cpu", "strategy=checkpoint", "strategy.every=2", "cluster.pp=2", "cluster.dp=1",
+             "train.iterations=4", "failures.events=[{iteration:3,node:1}]")
+    assumed = run(tmp_path / "assumed", *setup)
+    measured = run(tmp_path / "measured", *setup, "hardware.restart_s=7.5", "+hardware.provenance={host:here}")
+    assert assumed["status"] == measured["status"] == "ok"
+    assert "charged_restart_s" not in assumed["recoveries"][0]
+    (recovery,) = measured["recoveries"]
+    assert 7.0 < recovery["charged_restart_s"] <= 7.5  # less the in-place rebuild, measured
+    assert recovery["recovery_s"] >= recovery["charged_restart_s"]
+    assert measured["time_s"] - measured["productive_s"] >= recovery["charged_restart_s"]
