@@ -183,8 +183,12 @@ def split_flags(args) -> tuple[list[str], list[str]]:
 
 
 def main() -> None:
-    """The `ftbench` console script: `--version` here, everything else through Hydra."""
+    """The `ftbench` console script: `--version` and `calibrate` here, everything else through Hydra."""
     args = sys.argv[1:]
+    if args[:1] == ["calibrate"]:  # measure this machine (ftbench.measure): argparse, not Hydra
+        from ftbench.measure.cli import main as calibrate
+
+        sys.exit(calibrate(args[1:], prog="ftbench calibrate"))
     if "--version" in args or "-V" in args:
         print(version_text())
         return

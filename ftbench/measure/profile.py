@@ -1,0 +1,198 @@
+"""The hardware profile from the measurements: the YAML, its provenance, the summary lines.
+
+Top-level keys are HardwareConfig's (ftbench/config.py), so the file loads as
+`hardware=<name>`; `measured` holds the lines and raw medians the cost model uses when a
+run's model, micro-batch size and sequence length are the measured ones, and everything a
+reader needs to check each fit against its points.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+from pathlib import Path
+
+from ftbench.measure.fit import Line, fit_line, median
+
+GB = 1e9
+OPS = ("forward", "backward_input", "backward_weight", "backward")  # OP_KINDS' cost names of F, B, W, BW
+KIND_OF = {"forward": "F", "backward_input": "B", "backward_weight": "W", "backward": "BW"}
+
+
+def op_line(times, kind: str, line: Line, blocks, medians) -> dict:
+    """One op kind's entry: fixed + per block, the units alone, and the points of the fit."""
+    units = times.units
+    entry = {"fixed_s": line.intercept, "per_block_s": line.slope,
+             "embedding_s": units["embedding"][kind], "head_s": units["head"][kind],
+             "residual": line.residual, "blocks": list(blocks), "medians_s": list(medians)}
+    checks = {}
+    for where, unit in (("first", "embedding"), ("last", "head")):
+        measured = times.medians[kind].get((where, 1))
+        if measured:
+            predicted = line.intercept + line.slope + units[unit][kind]
+            checks[f"{where}_stage_s"] = {"measured": measured, "predicted": predicted}
+    entry["checks"] = checks
+    return entry
+
+
+def block_flops(spec, b: int, s: int) -> float:
+    """F + B + W FLOPs of one block and micro-batch (ModelSpec's counts)."""
+    return (spec.layer_forward_flops(b, s) + spec.layer_backward_input_flops(b, s)
+            + spec.layer_backward_weight_flops(b, s))
+
+
+def p2p_entry(p2p: dict) -> dict:
+    sizes = sorted(p2p)
+    line = fit_line(sizes, [p2p[s] for s in sizes], relative=True)
+    return {"latency_s": line.intercept, "gbps": 1.0 / line.slope / GB if line.slope > 0 else float("nan"),
+            "residual": line.residual, "sizes": sizes, "seconds": [p2p[s] for s in sizes]}
+
+
+def host_memory_gb() -> float:
+    """Physical memory, capped by the cgroup's memory limit when it has one."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total / GB
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} CPUs)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
+
+
+def provenance(command: str, gpu: str, torch_version: str, threads: int, usable: int) -> dict:
+    return {"host": socket.gethostname(), "cpu": cpu_name(), "usable_cpus": usable, "gpu": gpu,
+            "torch": torch_version, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command, "threads": threads}
+
+
+SOURCES = {
+    "peak_tflops": "measured: F+B+W FLOPs of one block (models/specs.py) over the per-block slopes of F, B and W",
+    "efficiency": "1.0: peak_tflops already is the achieved rate",
+    "memory_gb": "this machine's memory (host RAM, cgroup limit; GPU memory on a GPU)",
+    "hbm_gbps": "measured: large tensor copy, bytes read + written per second",
+    "intra_node_gbps": "measured: gloo point-to-point between 2 processes, 1 / slope of the size line",
+    "inter_node_gbps": "not measurable on one machine: the intra-node (2-process) value",
+    "link_latency_us": "measured: gloo point-to-point, intercept of the size line",
+    "storage_gbps": "measured: CheckpointStore save and verified load of the synthetic state, the smaller",
+    "host_gbps": "measured: snapshot of a large tensor (clone on CPU, device to host on a GPU)",
+    "restart_s": "measured: a fresh process from its start to the end of its first iteration",
+    "rendezvous_s": "measured: a 2-rank gloo Group (ftbench.distributed.transport) built to its first all-reduce",
+    "op_overhead_s": "measured: median of the intercepts of F, B and W",
+    "detection_s": "measured: SIGKILL of a beating rank to the survivors' new group (membership.detect, agree)",
+}
+
+
+def build_profile(name: str, setup, times, lines: dict, step: tuple, memory: dict, storage: dict, links: dict,
+                  restart: dict, detection: dict, prov: dict, memory_gb: float) -> dict:
+    """Every key of the profile, as plain floats, ints, strings, lists and dicts."""
+    spec, b, s = setup.spec, setup.microbatch_size, setup.seq_len
+    slopes = sum(lines[kind][0].slope for kind in ("forward", "backward_input", "backward_weight"))
+    intercepts = [lines[kind][0].intercept for kind in ("forward", "backward_input", "backward_weight")]
+    p2p = p2p_entry(links["p2p"])
+    synthetic = storage["synthetic"]
+    ops = {kind: op_line(times, KIND_OF[kind], *lines[kind]) for kind in OPS}
+    step_line, params, step_medians = step
+    ops["step"] = {"fixed_s": step_line.intercept, "per_param_s": step_line.slope, "residual": step_line.residual,
+                   "params": list(params), "medians_s": list(step_medians)}
+    measured = {
+        "model": spec.name, "microbatch_size": b, "seq_len": s, "dtype": setup.dtype, "threads": prov["threads"],
+        "device": setup.device, "ops": ops, "p2p": p2p,
+        "allreduce": {"ranks": 2, "sizes": sorted(links["allreduce"]),
+                      "seconds": [links["allreduce"][k] for k in sorted(links["allreduce"])]},
+        "checkpoint": {"save_gbps": synthetic["save_gbps"], "load_gbps": synthetic["load_gbps"],
+                       "bytes": synthetic["bytes"], "save_s": synthetic["save_s"], "load_s": synthetic["load_s"],
+                       "model_state": {k: storage["model"][k] for k in ("bytes", "save_s", "load_s")}},
+        "memory": memory,
+        "group_s": list(links["groups"]),
+        "restart_phases": restart,
+        "detection": detection,
+    }
+    return plain({
+        "name": name,
+        "peak_tflops": block_flops(spec, b, s) / slopes / 1e12,
+        "efficiency": 1.0,
+        "memory_gb": memory_gb,
+        "hbm_gbps": memory["hbm_gbps"],
+        "intra_node_gbps": p2p["gbps"],
+        "inter_node_gbps": p2p["gbps"],
+        "link_latency_us": p2p["latency_s"] * 1e6,
+        "storage_gbps": min(synthetic["save_gbps"], synthetic["load_gbps"]),
+        "host_gbps": memory["host_gbps"],
+        "restart_s": restart["total_s"],
+        "rendezvous_s": median(links["groups"]),
+        "op_overhead_s": max(0.0, median(intercepts)),
+        "detection_s": detection["total_s"],
+        "measured": measured,
+        "provenance": {**prov, "sources": dict(SOURCES)},
+    })
+
+
+def plain(value):
+    """Plain YAML types all the way down (torch's version string is a str subclass)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    return str(value)
+
+
+def summary_lines(profile: dict) -> list[str]:
+    """One line per quantity: its value and how well its fit (or its repeats) held."""
+    m = profile["measured"]
+    rows = []
+    for kind in (*OPS, "step"):
+        line = m["ops"][kind]
+        if kind == "step":
+            value = f"fixed {line['fixed_s'] * 1e3:.3f} ms + {line['per_param_s'] * 1e9:.3f} ns/parameter"
+        else:
+            value = (f"fixed {line['fixed_s'] * 1e3:.3f} ms + {line['per_block_s'] * 1e3:.3f} ms/block "
+                     f"(embedding {line['embedding_s'] * 1e3:.3f} ms, head {line['head_s'] * 1e3:.3f} ms)")
+        rows.append((kind, value, f"fit residual {line['residual'] * 100:.1f} % over {len(line['medians_s'])} points"))
+    p2p = m["p2p"]
+    rows += [
+        ("op_overhead_s", f"{profile['op_overhead_s'] * 1e3:.3f} ms", "median of the F, B, W intercepts"),
+        ("peak_tflops", f"{profile['peak_tflops']:.4f} TFLOP/s", "from the per-block slopes"),
+        ("link_latency_us", f"{profile['link_latency_us']:.1f} us",
+         f"fit residual {p2p['residual'] * 100:.1f} % over {len(p2p['sizes'])} sizes"),
+        ("intra_node_gbps", f"{profile['intra_node_gbps']:.3f} GB/s", "same fit"),
+        ("allreduce", ", ".join(f"{size // 1024} KB {t * 1e3:.2f} ms" for size, t in
+                                zip(m["allreduce"]["sizes"], m["allreduce"]["seconds"])), "medians"),
+        ("hbm_gbps", f"{profile['hbm_gbps']:.2f} GB/s", f"spread {m['memory']['copy_spread'] * 100:.1f} %"),
+        ("host_gbps", f"{profile['host_gbps']:.2f} GB/s", f"spread {m['memory']['snapshot_spread'] * 100:.1f} %"),
+        ("storage_gbps", f"{profile['storage_gbps']:.3f} GB/s",
+         f"save {m['checkpoint']['save_gbps']:.3f}, load {m['checkpoint']['load_gbps']:.3f} GB/s of "
+         f"{m['checkpoint']['bytes'] / 1e6:.0f} MB"),
+        ("restart_s", f"{profile['restart_s']:.2f} s", "phases " + ", ".join(
+            f"{k[:-2]} {v:.2f}" for k, v in m["restart_phases"].items() if k != "total_s")),
+        ("rendezvous_s", f"{profile['rendezvous_s'] * 1e3:.1f} ms", f"median of {len(m['group_s'])}"),
+        ("detection_s", f"{profile['detection_s']:.2f} s",
+         f"detect {m['detection']['detect_s']:.2f} s (heartbeat stale {m['detection']['stale_s']:g} s "
+         f"+ settle {m['detection']['settle_s']:g} s), agree + regroup "
+         f"{(m['detection']['agree_s'] + m['detection']['regroup_s']) * 1e3:.1f} ms"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    out = [f"{q:<{width}}  {v}  [{how}]" for q, v, how in rows]
+    negative = [kind for kind in (*OPS, "step") if m["ops"][kind]["fixed_s"] < 0]
+    if negative:
+        out.append(f"note: negative fixed cost of {', '.join(negative)}: the medians are not on a line (other "
+                   "processes' load?); op_overhead_s is at least 0; rerun without --quick or on a quieter machine")
+    return out
