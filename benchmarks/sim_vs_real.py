@@ -1,0 +1,224 @@
+"""The simulator against measured runs on this machine (issue 39 item 4).
+
+    python benchmarks/sim_vs_real.py [--quick] [--profile PATH] [--out FOLDER]
+
+Typical duration: on 2 shared cores, --quick 3-5 min (about 1 of it measuring the profile),
+the full matrix 15-25 min (not yet measured in full), --tiny with --profile 20-40 s.
+
+1. Measures this machine with `python -m ftbench.measure` (its --quick mode with --quick),
+   writing the profile into FOLDER/conf/hardware/, unless --profile gives one already measured.
+2. Runs each row for real (`local`, and `dist` with 2 processes; the full matrix adds 4
+   processes, more than the cores) and on `sim` with that profile, the config otherwise the
+   same, side by side in this run.
+3. Prints predicted/measured per row and quantity, then one line per quantity,
+   `<quantity>: median X %, worst Y %` of |predicted/measured - 1|, and draws
+   FOLDER/sim_vs_real.png (predicted against measured, log-log, the y = x line).
+
+Execution model, stated before any result and the same for every row: `local` runs every
+worker's ops in one process, one at a time; `dist` runs one process per worker and its
+processes share the host's cores. The simulator gives a plan's makespan with every worker in
+parallel; no host does more than its cores at once, so the prediction of an iteration is
+max(makespan, busy time / min(processes, usable cores)) with one process on `local`.
+Quantities: `iteration` (the median kept iteration, iteration 0 left out: it warms up),
+`checkpoint stall` (median of the periodic saves), `recovery` (the first recovery's time; not
+on `local` where it holds a rendezvous, which one process does not perform) and `run time`
+(the run's `time_s`). A restart on `local` is charged the profile's measured
+restart (docs/backends.md); `dist` restarts in place, so its restart is measured as that.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SETUP = ("model=gpt-tiny", "train.microbatches=4", "train.iterations=8", "report.check_fault_free=false",
+         "report.gantt=false", "report.progress=false", "wandb.mode=disabled", "cluster.replacement_s=0")
+ONE_FAILURE = "failures.events=[{iteration:5,node:1}]"
+LATE_FAILURE = "failures.events=[{iteration:5,node:1,at:0.97}]"
+FAULT_FREE = ("failures=none",)
+QUANTITIES = ("iteration", "checkpoint stall", "recovery", "run time")
+
+
+def rows(quick: bool, tiny: bool = False) -> list[tuple[str, str, int, tuple[str, ...]]]:
+    """(label, backend, processes, overrides): quick, a few strategies on local and 2 dist ranks;
+    the full matrix every strategy x {fault-free, one failure, one at 0.97} x {local, dist 2, dist 4};
+    tiny (the test's), one local row."""
+    grid2 = ("cluster.pp=2", "cluster.dp=1")
+    grid4 = ("cluster.pp=2", "cluster.dp=2")
+    if tiny:
+        return [("checkpoint one failure", "local", 1, (*grid2, "strategy=checkpoint", "strategy.every=2",
+                                                         ONE_FAILURE))]
+    if quick:
+        return [("none fault-free", "local", 1, (*grid4, "strategy=none", *FAULT_FREE)),
+                ("checkpoint one failure", "local", 1, (*grid4, "strategy=checkpoint", "strategy.every=2", ONE_FAILURE)),
+                ("recycle one failure", "local", 1, (*grid4, "strategy=recycle", ONE_FAILURE)),
+                ("none fault-free", "dist", 2, (*grid2, "strategy=none", *FAULT_FREE)),
+                ("checkpoint one failure", "dist", 2, (*grid2, "strategy=checkpoint", "strategy.every=2",
+                                                        "cluster.spares=1", ONE_FAILURE))]
+    from ftbench.strategies import REGISTRY
+
+    out = []
+    for name in sorted(REGISTRY):
+        extra = ("strategy.every=2",) if name in ("checkpoint", "checkfreq", "varuna", "swift", "elastic-horovod") else ()
+        for label, failure in (("fault-free", FAULT_FREE), ("one failure", (ONE_FAILURE,)),
+                               ("one at 0.97", (LATE_FAILURE,))):
+            if name == "none" and failure != FAULT_FREE:
+                continue
+            for backend, processes, grid in (("local", 1, grid4), ("dist", 2, grid2), ("dist", 4, grid4)):
+                spares = ("cluster.spares=1",) if backend == "dist" and failure != FAULT_FREE else ()
+                out.append((f"{name} {label}", backend, processes, (*grid, f"strategy={name}", *extra, *spares, *failure)))
+    return out
+
+
+def measure_profile(folder: Path, quick: bool) -> Path:
+    """This machine's profile, measured now, as FOLDER/conf/hardware/<name>.yaml."""
+    path = folder / "conf" / "hardware" / "sim-vs-real.yaml"
+    command = [sys.executable, "-m", "ftbench.measure", "--name", "sim-vs-real", "--out", str(path)]
+    subprocess.run(command + (["--quick"] if quick else []), cwd=ROOT, check=True, timeout=900)
+    return path
+
+
+def run(folder: Path, backend: str, overrides: tuple[str, ...], profile: Path) -> tuple[dict, list[dict]]:
+    """One run from the CLI (its own process, as a user runs it); (summary, metrics lines)."""
+    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+    search = f"hydra.searchpath=[file://{profile.parent.parent.resolve()}]"
+    subprocess.run([sys.executable, "-m", "ftbench", f"backend={backend}", search, f"hardware={profile.stem}", *SETUP,
+                    *overrides, f"hydra.run.dir={folder}"], cwd=ROOT, env=env, capture_output=True, timeout=900)
+    summary = json.loads((folder / "summary.json").read_text())
+    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return summary, lines
+
+
+def predicted_iteration(overrides: tuple[str, ...], profile: Path, processes: int) -> float:
+    """The cost model's iteration of the first plan under the execution model above."""
+    from ftbench.cli import compose
+    from ftbench.context import RunContext
+    from ftbench.sim.cache import SimCache
+
+    search = f"hydra.searchpath=[file://{profile.parent.parent.resolve()}]"
+    cfg = compose([search, f"hardware={profile.stem}", "backend=sim", *SETUP, *overrides])
+    ctx = RunContext.from_config(cfg)
+    result = SimCache(ctx.cost_model)(ctx.grid_plan(cfg.cluster.pp, cfg.cluster.dp, cfg.cluster.gpus_per_node))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(result.iteration_time, sum(result.busy.values()) / min(processes, cores))
+
+
+def quantities(summary: dict, lines: list[dict], backend: str) -> dict[str, float]:
+    out = {"run time": summary.get("time_s")}
+    per_iteration = [x["iteration_s"] for x in lines if x.get("event") == "iteration" and x.get("iteration")]
+    if per_iteration:
+        out["iteration"] = statistics.median(per_iteration)
+    stalls = [x["stall_s"] for x in lines if x.get("event") == "checkpoint" and x.get("iteration")]
+    if stalls:
+        out["checkpoint stall"] = statistics.median(stalls)
+    recovery = (summary.get("recoveries") or [None])[0]
+    # one process has no communicators: a rendezvous is not performed on local (dist measures it)
+    if recovery and not (backend == "local" and "Rendezvous" in recovery["actions"]):
+        out["recovery"] = recovery["recovery_s"]
+    return {k: v for k, v in out.items() if isinstance(v, (int, float)) and v > 0}
+
+
+def simulated(summary: dict, lines: list[dict], iteration: float) -> dict[str, float]:
+    out = {"run time": summary.get("time_s"), "iteration": iteration}
+    stall = next((x["stall_s"] for x in lines if x.get("event") == "checkpoint_interval"), None)
+    if stall:
+        out["checkpoint stall"] = stall
+    if summary.get("recoveries"):
+        out["recovery"] = summary["recoveries"][0]["recovery_s"]
+    return {k: v for k, v in out.items() if isinstance(v, (int, float)) and v > 0}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few rows (3-5 min on 2 cores)")
+    parser.add_argument("--tiny", action="store_true", help="one local row, for a test (with --profile: 20-40 s)")
+    parser.add_argument("--profile", type=Path, help="a profile `ftbench calibrate` measured on this machine")
+    parser.add_argument("--out", type=Path, default=Path("runs") / "sim-vs-real", help="(default: %(default)s)")
+    args = parser.parse_args(argv)
+    args.out = args.out.resolve()  # the runs are subprocesses in the checkout: absolute paths
+    started = time.perf_counter()
+    print(f"sim vs real: {'quick' if args.quick else 'full'} matrix into {args.out}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile is None:
+        print("measuring this machine (python -m ftbench.measure) ...", flush=True)
+        profile = measure_profile(args.out, args.quick)
+    else:
+        profile = args.profile
+        if profile.parent.name != "hardware":
+            print(f"--profile must be a file in a folder named hardware/ (as `ftbench calibrate --out` "
+                  f"writes it), got {profile}", file=sys.stderr)
+            return 2
+    ratios: dict[str, list[float]] = {q: [] for q in QUANTITIES}
+    points = []
+    print(f"{'row':<28} {'backend':<8} " + " ".join(f"{q:>18}" for q in QUANTITIES), flush=True)
+    for index, (label, backend, processes, overrides) in enumerate(rows(args.quick, args.tiny)):
+        folder = args.out / f"{index:02d}"
+        real_summary, real_lines = run(folder / "real", backend, overrides, profile)
+        sim_summary, sim_lines = run(folder / "sim", "sim", overrides, profile)
+        if real_summary.get("status") != "ok" or sim_summary.get("status") != "ok":
+            print(f"{label:<28} {backend}-{processes:<6} not compared: real {real_summary.get('status')}, "
+                  f"sim {sim_summary.get('status')} ({real_summary.get('error') or sim_summary.get('error')})")
+            continue
+        measured = quantities(real_summary, real_lines, backend)
+        predicted = simulated(sim_summary, sim_lines, predicted_iteration(overrides, profile, processes))
+        cells = []
+        for q in QUANTITIES:
+            if q in measured and q in predicted:
+                ratio = predicted[q] / measured[q]
+                ratios[q].append(ratio)
+                points.append((q, measured[q], predicted[q]))
+                cells.append(f"{predicted[q]:.3g}/{measured[q]:.3g}={ratio:.2f}")
+            else:
+                cells.append("-")
+        print(f"{label:<28} {backend}-{processes:<6} " + " ".join(f"{c:>18}" for c in cells), flush=True)
+    plot(points, args.out / "sim_vs_real.png")
+    print(f"(predicted/measured; {time.perf_counter() - started:.0f} s; plot {args.out / 'sim_vs_real.png'})")
+    for q in QUANTITIES:
+        errors = [abs(r - 1) for r in ratios[q]]
+        if errors:
+            print(f"{q}: median {100 * statistics.median(errors):.0f} %, worst {100 * max(errors):.0f} % "
+                  f"({len(errors)} rows)")
+        else:
+            print(f"{q}: no row measured it")
+    return 0
+
+
+def plot(points: list[tuple[str, float, float]], path: Path) -> None:
+    if not points:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 5.5))
+    try:
+        for q, marker in zip(QUANTITIES, "os^D"):
+            xs = [m for name, m, _ in points if name == q]
+            ys = [p for name, _, p in points if name == q]
+            if xs:
+                ax.scatter(xs, ys, marker=marker, label=q)
+        low = min(min(m, p) for _, m, p in points) / 2
+        high = max(max(m, p) for _, m, p in points) * 2
+        ax.plot([low, high], [low, high], color="grey", linewidth=0.8, label="predicted = measured")
+        ax.set(xscale="log", yscale="log", xlabel="measured (s)", ylabel="simulated (s)",
+               title="the simulator against measured runs on this machine")
+        ax.legend(frameon=False)
+        fig.savefig(path, dpi=120, bbox_inches="tight", facecolor="white")
+    finally:
+        plt.close(fig)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("sim vs real: interrupted", file=sys.stderr)
+        sys.exit(130)
