@@ -95,47 +95,57 @@ SOURCES = {
 }
 
 
-def build_profile(name: str, setup, times, lines: dict, step: tuple, memory: dict, storage: dict, links: dict,
-                  restart: dict, detection: dict, prov: dict, memory_gb: float) -> dict:
-    """Every key of the profile, as plain floats, ints, strings, lists and dicts."""
-    spec, b, s = setup.spec, setup.microbatch_size, setup.seq_len
-    slopes = sum(lines[kind][0].slope for kind in ("forward", "backward_input", "backward_weight"))
-    intercepts = [lines[kind][0].intercept for kind in ("forward", "backward_input", "backward_weight")]
-    p2p = p2p_entry(links["p2p"])
-    synthetic = storage["synthetic"]
+def ops_section(times, lines: dict, step: tuple) -> dict:
     ops = {kind: op_line(times, KIND_OF[kind], *lines[kind]) for kind in OPS}
     step_line, params, step_medians = step
     ops["step"] = {"fixed_s": step_line.intercept, "per_param_s": step_line.slope, "residual": step_line.residual,
                    "params": list(params), "medians_s": list(step_medians)}
-    measured = {
-        "model": spec.name, "microbatch_size": b, "seq_len": s, "dtype": setup.dtype, "threads": prov["threads"],
-        "device": setup.device, "ops": ops, "p2p": p2p,
-        "allreduce": {"ranks": 2, "sizes": sorted(links["allreduce"]),
-                      "seconds": [links["allreduce"][k] for k in sorted(links["allreduce"])]},
-        "checkpoint": {"save_gbps": synthetic["save_gbps"], "load_gbps": synthetic["load_gbps"],
-                       "bytes": synthetic["bytes"], "save_s": synthetic["save_s"], "load_s": synthetic["load_s"],
-                       "model_state": {k: storage["model"][k] for k in ("bytes", "save_s", "load_s")}},
-        "memory": memory,
-        "group_s": list(links["groups"]),
-        "restart_phases": restart,
-        "detection": detection,
-    }
+    return ops
+
+
+def checkpoint_section(storage: dict) -> dict:
+    """The synthetic state's bandwidths (the profile's), and the model's own checkpoint."""
+    synthetic = storage["synthetic"]
+    return {"save_gbps": synthetic["save_gbps"], "load_gbps": synthetic["load_gbps"], "bytes": synthetic["bytes"],
+            "save_s": synthetic["save_s"], "load_s": synthetic["load_s"],
+            "model_state": {k: storage["model"][k] for k in ("bytes", "save_s", "load_s")}}
+
+
+def measured_section(setup, threads: int, ops: dict, memory: dict, storage: dict, links: dict, restart: dict,
+                     detection: dict) -> dict:
+    allreduce = links["allreduce"]
+    return {"model": setup.spec.name, "microbatch_size": setup.microbatch_size, "seq_len": setup.seq_len,
+            "dtype": setup.dtype, "threads": threads, "device": setup.device, "ops": ops,
+            "p2p": p2p_entry(links["p2p"]),
+            "allreduce": {"ranks": 2, "sizes": sorted(allreduce), "seconds": [allreduce[k] for k in sorted(allreduce)]},
+            "checkpoint": checkpoint_section(storage), "memory": memory, "group_s": list(links["groups"]),
+            "restart_phases": restart, "detection": detection}
+
+
+def build_profile(name: str, setup, times, lines: dict, step: tuple, memory: dict, storage: dict, links: dict,
+                  restart: dict, detection: dict, prov: dict, memory_gb: float) -> dict:
+    """Every key of the profile, as plain floats, ints, strings, lists and dicts."""
+    ops = ops_section(times, lines, step)
+    m = measured_section(setup, prov["threads"], ops, memory, storage, links, restart, detection)
+    fitted = ("forward", "backward_input", "backward_weight")
+    slopes = sum(ops[kind]["per_block_s"] for kind in fitted)
+    p2p, checkpoint = m["p2p"], m["checkpoint"]
     return plain({
         "name": name,
-        "peak_tflops": block_flops(spec, b, s) / slopes / 1e12,
+        "peak_tflops": block_flops(setup.spec, setup.microbatch_size, setup.seq_len) / slopes / 1e12,
         "efficiency": 1.0,
         "memory_gb": memory_gb,
         "hbm_gbps": memory["hbm_gbps"],
         "intra_node_gbps": p2p["gbps"],
         "inter_node_gbps": p2p["gbps"],
         "link_latency_us": p2p["latency_s"] * 1e6,
-        "storage_gbps": min(synthetic["save_gbps"], synthetic["load_gbps"]),
+        "storage_gbps": min(checkpoint["save_gbps"], checkpoint["load_gbps"]),
         "host_gbps": memory["host_gbps"],
         "restart_s": restart["total_s"],
         "rendezvous_s": median(links["groups"]),
-        "op_overhead_s": max(0.0, median(intercepts)),
+        "op_overhead_s": max(0.0, median([ops[kind]["fixed_s"] for kind in fitted])),
         "detection_s": detection["total_s"],
-        "measured": measured,
+        "measured": m,
         "provenance": {**prov, "sources": dict(SOURCES)},
     })
 
