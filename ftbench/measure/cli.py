@@ -167,9 +167,9 @@ class Progress:
 
 
 def calibrate(args, checked: dict, command: str) -> int:
+    say = Progress()  # before torch's import, so the durations printed are the command's
     from ftbench.measure.steps import run_all
 
-    say = Progress()
     scratch = checked["scratch"]
     try:
         profile = run_all(args, checked, QUICK if args.quick else DEFAULT, command, say)

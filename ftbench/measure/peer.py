@@ -56,7 +56,9 @@ def restarted_rank(settings: dict) -> tuple[dict, object]:
     stamps["process_group"] = time.time()
 
     spec = resolve_model(settings["model"])
-    module = build_stage(spec, settings["seed"], 0, spec.layers, True, True).to(dtype=DTYPES[settings["dtype"]])
+    device = torch.device(settings["device"])  # a restarted GPU rank rebuilds on its GPU
+    module = build_stage(spec, settings["seed"], 0, spec.layers, True, True).to(device=device,
+                                                                               dtype=DTYPES[settings["dtype"]])
     replica = StageReplica(0, module, settings["lr"], 0.0)
     stamps["model"] = time.time()
 
@@ -70,8 +72,10 @@ def restarted_rank(settings: dict) -> tuple[dict, object]:
     plan = grid_plan(generate("1f1b", 1, m), ((0, spec.layers),), 1, 1)
     worker = Worker(0)
     worker.replicas[(0, spec.layers)] = replica
-    ids = torch.randint(0, spec.vocab, (b, s))
+    ids = torch.randint(0, spec.vocab, (b, s)).to(device)
     Executor({0: worker}).run(plan, lambda pipeline, microbatch: ids, float(m * b * (s - 1)))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     stamps["first_iteration"] = time.time()
     return stamps, store
 

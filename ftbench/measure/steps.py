@@ -38,7 +38,8 @@ def second_process(args, checked: dict, setup: Setup, effort, count: int, say):
     link_settings = {"reps": effort.link_reps, "p2p_sizes": p2p_sizes(args.quick),
                      "allreduce_sizes": allreduce_sizes(args.quick), "group_reps": effort.group_reps,
                      "timeout_s": args.timeout}
-    settings = {"model": setup.spec.name, "seed": setup.seed, "dtype": setup.dtype, "lr": setup.lr,
+    settings = {"model": setup.spec.name, "seed": setup.seed, "dtype": setup.dtype, "device": setup.device,
+                "lr": setup.lr,
                 "threads": count, "timeout_s": args.timeout, "checkpoint": str(checked["scratch"] / "model"),
                 "shard": MODEL_SHARD, "microbatches": RESTART_MICROBATCHES,
                 "microbatch_size": setup.microbatch_size, "seq_len": setup.seq_len, "links": link_settings}
