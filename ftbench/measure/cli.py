@@ -24,6 +24,10 @@ BLOCKS = (1, 2, 4)
 NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
+class MeasurementFailed(Exception):
+    """A step that could not measure (the second process died, a folder filled up): one line, exit 1."""
+
+
 class BadArgument(Exception):
     def __init__(self, setting: str, problem: str, fix: str):
         super().__init__(f"{setting}: {problem}; {fix}")
@@ -82,6 +86,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m ftbench.measure")
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted (Ctrl-C); nothing written", file=sys.stderr)
         return 130
+    except MeasurementFailed as err:
+        print(f"{prog}: {err}; nothing written", file=sys.stderr)
+        return 1
 
 
 def default_name() -> str:
@@ -168,12 +175,17 @@ class Progress:
 
 def calibrate(args, checked: dict, command: str) -> int:
     say = Progress()  # before torch's import, so the durations printed are the command's
+    from ftbench.measure.restart import PeerFailed
     from ftbench.measure.steps import run_all
 
     scratch = checked["scratch"]
     try:
         profile = run_all(args, checked, QUICK if args.quick else DEFAULT, command, say)
-        write_profile(profile, checked["out"], scratch)
+        write_profile(profile, checked["out"])
+    except PeerFailed as err:
+        raise MeasurementFailed(str(err)) from None
+    except OSError as err:
+        raise MeasurementFailed(f"{getattr(err, 'filename', None) or 'a file'}: {err.strerror or err}") from None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     from ftbench.measure.profile import summary_lines
@@ -185,14 +197,18 @@ def calibrate(args, checked: dict, command: str) -> int:
     return 0
 
 
-def write_profile(profile: dict, out: Path, scratch: Path) -> None:
-    """The YAML, written in the scratch folder then moved into place (never half a file)."""
+def write_profile(profile: dict, out: Path) -> None:
+    """The YAML, staged in a hidden file next to the output then moved into place (never half a
+    file; next to it, so the move stays on one file system whatever --dir is)."""
     import yaml
 
     header = (f"# Measured by `ftbench calibrate` on {profile['provenance']['host']}, "
               f"{profile['provenance']['date']} (docs/calibrate.md).\n"
               "# Every number below was measured by that command; `provenance.sources` says how.\n")
     text = header + yaml.safe_dump(profile, sort_keys=False, default_flow_style=None, width=120)
-    staged = scratch / out.name
-    staged.write_text(text)
-    staged.replace(out)
+    with tempfile.NamedTemporaryFile("w", dir=out.parent, prefix=f".{out.name}.", delete=False) as staged:
+        staged.write(text)
+    try:
+        Path(staged.name).replace(out)
+    finally:
+        Path(staged.name).unlink(missing_ok=True)
