@@ -26,56 +26,97 @@ READY_KEY = "measure/imported"  # imports done: the parent joins the process gro
 BEATING_KEY = "measure/beating"  # the heartbeat runs: the parent may kill this process
 
 
-def restarted_rank(settings: dict) -> tuple[dict, object]:
-    """The phases of a restart, stamped; returns (stamps, the job's store)."""
-    stamps = {"started": STARTED}
-    import datetime
-
-    import torch
-    import torch.distributed as dist
+def import_everything(settings: dict) -> None:
+    """What a restarted dist rank imports before it can train: torch, transformers, the engine,
+    the checkpoint store and the dist transport (each module's first import happens here)."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
 
     from ftbench import threads
-    from ftbench.checkpoint import CheckpointStore
-    from ftbench.distributed.membership import job_store
-    from ftbench.distributed.transport import Group  # noqa: F401 - a restarted rank imports its transport
-    from ftbench.engine.executor import Executor
-    from ftbench.engine.worker import StageReplica, Worker
-    from ftbench.measure.ops import DTYPES
-    from ftbench.models.gpt import build_stage
-    from ftbench.models.specs import resolve_model
-    from ftbench.plan import grid_plan
-    from ftbench.schedule import generate
+    from ftbench.checkpoint import CheckpointStore  # noqa: F401
+    from ftbench.distributed.membership import job_store  # noqa: F401
+    from ftbench.distributed.transport import Group  # noqa: F401
+    from ftbench.engine.executor import Executor  # noqa: F401
+    from ftbench.engine.worker import StageReplica, Worker  # noqa: F401
+    from ftbench.models.gpt import build_stage  # noqa: F401
+    from ftbench.plan import grid_plan  # noqa: F401
 
     threads.apply(settings["threads"])
-    stamps["imports"] = time.time()
+
+
+def join_group(settings: dict):
+    """Rank 1 of the calibration's 2-rank gloo group, on its store; returns the store."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ftbench.distributed.membership import job_store
 
     store = job_store(settings["timeout_s"])
     store.set(READY_KEY, "1")
     dist.init_process_group("gloo", store=dist.PrefixStore("default/", store), rank=1, world_size=2,
                             timeout=datetime.timedelta(seconds=settings["timeout_s"]))
-    stamps["process_group"] = time.time()
+    return store
+
+
+def build_model(settings: dict):
+    """The whole model in one stage replica (AdamW included), on the calibrated device."""
+    import torch
+
+    from ftbench.engine.worker import StageReplica
+    from ftbench.measure.ops import DTYPES
+    from ftbench.models.gpt import build_stage
+    from ftbench.models.specs import resolve_model
 
     spec = resolve_model(settings["model"])
-    device = torch.device(settings["device"])  # a restarted GPU rank rebuilds on its GPU
-    module = build_stage(spec, settings["seed"], 0, spec.layers, True, True).to(device=device,
-                                                                               dtype=DTYPES[settings["dtype"]])
-    replica = StageReplica(0, module, settings["lr"], 0.0)
-    stamps["model"] = time.time()
+    module = build_stage(spec, settings["seed"], 0, spec.layers, True, True)
+    module = module.to(device=torch.device(settings["device"]), dtype=DTYPES[settings["dtype"]])
+    return StageReplica(0, module, settings["lr"], 0.0)
+
+
+def load_checkpoint(replica, settings: dict) -> None:
+    """The newest checkpoint of the store the parent wrote: read, verified, loaded."""
+    from ftbench.checkpoint import CheckpointStore
 
     expected = {n: tuple(p.shape) for n, p in replica.named_parameters().items()}
     _, shards = CheckpointStore(settings["checkpoint"]).load(expected=expected)
     shard = shards[settings["shard"]]
     replica.load(shard["model"], shard["optim"])
-    stamps["checkpoint"] = time.time()
 
+
+def first_iteration(replica, settings: dict) -> None:
+    """One training iteration through the executor on a one-stage plan."""
+    import torch
+
+    from ftbench.engine.executor import Executor
+    from ftbench.engine.worker import Worker
+    from ftbench.plan import grid_plan
+    from ftbench.schedule import generate
+
+    layers = replica.layers
     m, b, s = settings["microbatches"], settings["microbatch_size"], settings["seq_len"]
-    plan = grid_plan(generate("1f1b", 1, m), ((0, spec.layers),), 1, 1)
+    plan = grid_plan(generate("1f1b", 1, m), (layers,), 1, 1)
     worker = Worker(0)
-    worker.replicas[(0, spec.layers)] = replica
-    ids = torch.randint(0, spec.vocab, (b, s)).to(device)
+    worker.replicas[layers] = replica
+    device = torch.device(settings["device"])
+    ids = torch.randint(0, replica.module.config.vocab_size, (b, s)).to(device)
     Executor({0: worker}).run(plan, lambda pipeline, microbatch: ids, float(m * b * (s - 1)))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def restarted_rank(settings: dict) -> tuple[dict, object]:
+    """The phases of a restart, each stamped at its end; returns (stamps, the job's store)."""
+    stamps = {"started": STARTED}
+    import_everything(settings)
+    stamps["imports"] = time.time()
+    store = join_group(settings)
+    stamps["process_group"] = time.time()
+    replica = build_model(settings)
+    stamps["model"] = time.time()
+    load_checkpoint(replica, settings)
+    stamps["checkpoint"] = time.time()
+    first_iteration(replica, settings)
     stamps["first_iteration"] = time.time()
     return stamps, store
 
