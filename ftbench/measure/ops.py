@@ -55,7 +55,7 @@ class Setup:
 class OpTimes:
     """Medians in seconds per op kind and stage, keyed (position, blocks), position first/middle/last."""
     medians: dict = field(default_factory=dict)  # kind -> {(position, blocks): s}
-    samples: dict = field(default_factory=dict)  # kind -> {(position, blocks): count}
+    samples: dict = field(default_factory=dict)  # kind -> {(position, blocks): [s]}, pooled over plans
     params: dict = field(default_factory=dict)  # (position, blocks) -> parameters of that stage
     units: dict = field(default_factory=dict)  # "embedding"/"head" -> {kind: s}
 
@@ -168,12 +168,14 @@ def run_round(measured: list[Measured], setup: Setup, tokens, keep: bool) -> Non
 
 
 def record(m: Measured, out: OpTimes) -> None:
-    """The plan's medians and its stages' parameter counts into `out`."""
+    """The plan's samples (the first and last stages are the same in every plan: pooled) and its
+    stages' parameter counts into `out`; `medians` from everything recorded so far."""
     for (kind, stage), values in m.collected.items():
         if kind in m.kinds:
             key = (POSITIONS[stage], stage_blocks(stage, m.blocks))
-            out.medians.setdefault(kind, {})[key] = median(values)
-            out.samples.setdefault(kind, {})[key] = len(values)
+            pooled = out.samples.setdefault(kind, {}).setdefault(key, [])
+            pooled.extend(values)
+            out.medians.setdefault(kind, {})[key] = median(pooled)
     for w, held in m.plan.holds.items():
         for pipeline, stage in held:
             module = m.executor.workers[w].replicas[m.plan.layers(pipeline, stage)].module
