@@ -98,7 +98,9 @@ def test_the_fits_are_the_fits_of_the_recorded_points(calibrated):
     assert profile["storage_gbps"] == pytest.approx(min(checkpoint["save_gbps"], checkpoint["load_gbps"]))
     assert checkpoint["save_gbps"] == pytest.approx(checkpoint["bytes"] / checkpoint["save_s"] / 1e9)
     phases = m["restart_phases"]
-    assert profile["restart_s"] == pytest.approx(phases["total_s"]) == pytest.approx(sum(phases[p] for p in PHASES))
+    assert phases["total_s"] == pytest.approx(sum(phases[p] for p in PHASES))
+    # the simulator charges the reload (RestoreCheckpoint) and the next iteration on their own
+    assert profile["restart_s"] == pytest.approx(phases["total_s"] - phases["checkpoint_s"] - phases["first_iteration_s"])
     assert profile["rendezvous_s"] == pytest.approx(statistics.median(m["group_s"]))
     detection = m["detection"]
     assert profile["detection_s"] == pytest.approx(detection["total_s"])
