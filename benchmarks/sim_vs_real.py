@@ -162,7 +162,9 @@ def main(argv=None) -> int:
     for index, (label, backend, processes, overrides) in enumerate(rows(args.quick, args.tiny)):
         folder = args.out / f"{index:02d}"
         real_summary, real_lines = run(folder / "real", backend, overrides, profile)
-        sim_summary, sim_lines = run(folder / "sim", "sim", overrides, profile)
+        # the harness announces the failures it strikes on local and dist: nothing detects them
+        # there, so the simulator's run of the same script charges no detection (hardware.detection_s)
+        sim_summary, sim_lines = run(folder / "sim", "sim", (*overrides, "hardware.detection_s=0"), profile)
         if real_summary.get("status") != "ok" or sim_summary.get("status") != "ok":
             print(f"{label:<28} {backend}-{processes:<6} not compared: real {real_summary.get('status')}, "
                   f"sim {sim_summary.get('status')} ({real_summary.get('error') or sim_summary.get('error')})")
