@@ -127,14 +127,16 @@ def test_a_seeded_random_kill(tmp_path, strategy):
     _assert_measured(summary, [node])
 
 
-# The default tier runs Oobleck's case (two failures: a merge, then a borrow); the other
-# strategies are killed on dist in this file's other tests, their sim conformance is
+# The default tier runs Varuna's merged restart (a join and a member's failure during the
+# first restart); the other strategies are killed on dist in this file's other tests (and
+# Oobleck's merge on dist in tests/test_oobleck.py), their sim conformance is
 # tests/test_conformance.py's, and `-m full` runs them here too.
 @pytest.mark.parametrize("strategy, events", [
     pytest.param("checkpoint", [dict(iteration=3, node=3)], marks=pytest.mark.full),
     pytest.param("elastic-horovod", [dict(iteration=2, node=1), dict(iteration=5, node=3)], marks=pytest.mark.full),
     pytest.param("recycle", [dict(iteration=3, node=3)], marks=pytest.mark.full),
-    ("oobleck", [dict(iteration=2, node=1), dict(iteration=4, node=4)]),  # a merge, then a borrow
+    pytest.param("oobleck", [dict(iteration=2, node=1), dict(iteration=4, node=4)],  # a merge, then a borrow
+                 marks=pytest.mark.full),
     ("varuna", "changes during recovery"),  # a join and a member's failure merged into one restart
 ])
 def test_dist_agrees_with_sim(tmp_path, strategy, events):
