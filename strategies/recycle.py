@@ -378,23 +378,17 @@ def _grid_ops(stored, renaming: Renaming, pp: int, idle: dict[int, int]) -> Grid
     by op. Every worker steps its own stage replica last."""
     templates, of, members = [], {}, []
     at, label = renaming.at, renaming.labels
-    whole = all(row is at[0] for row in at)  # pipelines renamed whole: one row for every stage
     for shape, orders, parts in stored.shaped:
         ids = {}
         for pos, order_ in orders.items():
             ids[pos] = len(templates)
             templates.append(tuple((op.kind, op.stage, op.microbatch, op.pipeline) for op in order_)
                              + ((OPT, pos[1], NO_MICROBATCH, pos[0]),))
-        row = None  # the shape's template ids in stage order, where its parts are whole pipelines
         for part in parts:
             flows = PartFlows(tuple(map(label.__getitem__, part.pipeline_of)), part.microbatches)
-            if whole and part.pipeline is not None:  # its workers: one real pipeline's, in stage order
-                row = row or [ids[local] for local in part.local.values()]
-                first = at[0][part.pipeline] * pp
-                records = list(zip(range(first, first + pp), row))
-            else:  # (grid_worker written out: sixteen thousand workers at every failure of a large grid)
-                records = [(at[s][i] * pp + s, ids[local]) for (i, s), local in part.local.items()]
-                records.sort()
+            # (grid_worker written out: sixteen thousand workers at every failure of a large grid)
+            records = [(at[s][i] * pp + s, ids[local]) for (i, s), local in part.local.items()]
+            records.sort()
             of.update([(w, (tid, flows)) for w, tid in records])
             members.append((flows, records))
     steps = {}  # an idle worker's template, per stage: its step alone, a part of its own

@@ -32,9 +32,6 @@ class Part:
     pipeline_of: list[int]  # local pipeline -> real pipeline
     microbatches: tuple[tuple[int, ...], ...]  # per local pipeline, local micro-batch j -> real micro-batch
     key: tuple  # the shape
-    # The real pipeline when the part is that one pipeline whole, its workers in stage order
-    # (every part of its shape then has the same local positions); None for any other part.
-    pipeline: int | None = None
 
     @property
     def microbatch_of(self) -> dict[tuple[int, int], int]:
@@ -187,13 +184,13 @@ def _split_pipelines(problem: PlanningProblem) -> list[tuple[PartProblem, list[P
         if found is None:
             caps = tuple((at[p][s], *problem._caps_at(s, load)) for s in range(pp))
             key = (len(pipelines), counts, ((at[p], hop_times[hop_class[e]]),) * sum(counts), caps)
-            part = Part(workers, dict(zip(workers, at[p])), pipelines, microbatches, key, e)
+            part = Part(workers, dict(zip(workers, at[p])), pipelines, microbatches, key)
             if key not in shapes:
                 shapes[key] = (PartProblem(problem, part, _shape_ops(problem, part, list(at[p]))), [])
             found = known[stand_in] = (key, shapes[key][1])
             found[1].append(part)
             continue
-        found[1].append(Part(workers, dict(zip(workers, at[p])), pipelines, microbatches, found[0], e))
+        found[1].append(Part(workers, dict(zip(workers, at[p])), pipelines, microbatches, found[0]))
     return list(shapes.values())
 
 
