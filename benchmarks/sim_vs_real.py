@@ -17,8 +17,9 @@ the full matrix 15-25 min (not yet measured in full), --tiny with --profile 20-4
 Execution model, stated before any result and the same for every row: `local` runs every
 worker's ops in one process, one at a time; `dist` runs one process per worker and its
 processes share the host's cores. The simulator gives a plan's makespan with every worker in
-parallel; no host does more than its cores at once, so the prediction of an iteration is
-max(makespan, busy time / min(processes, usable cores)) with one process on `local`.
+parallel; no host does more than its cores at once, so each row's simulated run sets
+`hardware.cores` (1 on `local`, min(processes, usable cores) on `dist`), and the simulator's
+iteration is max(makespan, busy time / cores) (ftbench/loop.py, shared_cores_iteration).
 Quantities: `iteration` (the median kept iteration, iteration 0 left out: it warms up),
 `checkpoint stall` (median of the periodic saves), `recovery` (the first recovery's time; not
 on `local` where it holds a rendezvous, which one process does not perform) and `run time`
@@ -99,18 +100,8 @@ def run(folder: Path, backend: str, overrides: tuple[str, ...], profile: Path) -
     return summary, lines
 
 
-def predicted_iteration(overrides: tuple[str, ...], profile: Path, processes: int) -> float:
-    """The cost model's iteration of the first plan under the execution model above."""
-    from ftbench.cli import compose
-    from ftbench.context import RunContext
-    from ftbench.sim.cache import SimCache
-
-    search = f"hydra.searchpath=[file://{profile.parent.parent.resolve()}]"
-    cfg = compose([search, f"hardware={profile.stem}", "backend=sim", *SETUP, *overrides])
-    ctx = RunContext.from_config(cfg)
-    result = SimCache(ctx.cost_model)(ctx.grid_plan(cfg.cluster.pp, cfg.cluster.dp, cfg.cluster.gpus_per_node))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(result.iteration_time, sum(result.busy.values()) / min(processes, cores))
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def quantities(summary: dict, lines: list[dict], backend: str) -> dict[str, float]:
@@ -128,8 +119,8 @@ def quantities(summary: dict, lines: list[dict], backend: str) -> dict[str, floa
     return {k: v for k, v in out.items() if isinstance(v, (int, float)) and v > 0}
 
 
-def simulated(summary: dict, lines: list[dict], iteration: float) -> dict[str, float]:
-    out = {"run time": summary.get("time_s"), "iteration": iteration}
+def simulated(summary: dict, lines: list[dict]) -> dict[str, float]:
+    out = {"run time": summary.get("time_s"), "iteration": summary.get("iteration_time_s")}
     stall = next((x["stall_s"] for x in lines if x.get("event") == "checkpoint_interval"), None)
     if stall:
         out["checkpoint stall"] = stall
@@ -166,13 +157,16 @@ def main(argv=None) -> int:
         real_summary, real_lines = run(folder / "real", backend, overrides, profile)
         # the harness announces the failures it strikes on local and dist: nothing detects them
         # there, so the simulator's run of the same script charges no detection (hardware.detection_s)
-        sim_summary, sim_lines = run(folder / "sim", "sim", (*overrides, "hardware.detection_s=0"), profile)
+        # the same machine's cores: one process on local, the ranks sharing the usable cores on dist
+        cores = 1 if backend == "local" else min(processes, usable_cores())
+        sim_summary, sim_lines = run(folder / "sim", "sim", (*overrides, "hardware.detection_s=0",
+                                                             f"hardware.cores={cores}"), profile)
         if real_summary.get("status") != "ok" or sim_summary.get("status") != "ok":
             print(f"{label:<28} {backend}-{processes:<6} not compared: real {real_summary.get('status')}, "
                   f"sim {sim_summary.get('status')} ({real_summary.get('error') or sim_summary.get('error')})")
             continue
         measured = quantities(real_summary, real_lines, backend)
-        predicted = simulated(sim_summary, sim_lines, predicted_iteration(overrides, profile, processes))
+        predicted = simulated(sim_summary, sim_lines)
         cells = []
         for q in QUANTITIES:
             if q in measured and q in predicted:

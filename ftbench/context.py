@@ -256,6 +256,10 @@ def _check_hardware(hw) -> None:
     for key in ("link_latency_us", "restart_s", "rendezvous_s"):
         if getattr(hw, key) < 0:
             raise ConfigError(f"hardware.{key}", f"must not be negative, got {getattr(hw, key)}", "set a value >= 0")
+    cores = getattr(hw, "cores", None)
+    if cores is not None and (not isinstance(cores, int) or cores < 1):
+        raise ConfigError("hardware.cores", f"must be a whole number of at least 1, got {cores}",
+                          "give the cores the job's workers share on one machine (1 for local), or null")
 
 
 def _batch(t, dp: int) -> tuple[int, int]:

@@ -92,6 +92,15 @@ class Backend(Protocol):
         """The run is over: wait for anything still in the background."""
 
 
+def shared_cores_iteration(timeline: SimResult, cores: int | None) -> float:
+    """The iteration a plan's timeline gives, where its workers share `cores` cores
+    (`hardware.cores`: a job on one machine, `local` being one process): no machine does more
+    than its cores at once, so at least the workers' busy time over the cores."""
+    if not cores:
+        return timeline.iteration_time
+    return max(timeline.iteration_time, sum(timeline.busy.values()) / cores)
+
+
 class FailuresDiscovered(Exception):
     """Raised by a backend's run_iteration: `nodes` died during the iteration in flight without
     any failure script announcing it (a real crash), nothing of that iteration is kept, and
@@ -350,7 +359,7 @@ class RunLoop:
                 out.status, out.error = "oom", problem
                 self.log({"event": "oom", "time_s": self.now(), "iteration": self.it, "reason": problem})
                 break
-            T = timeline.iteration_time
+            T = shared_cores_iteration(timeline, getattr(self.ctx.hardware, "cores", None))
             if T <= 0:
                 raise ValueError(f"plan {self.plan.name!r} has a zero iteration time")
             self.ckpt.use(self.plan, T if self.modelled else None)

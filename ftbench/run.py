@@ -26,7 +26,7 @@ from ftbench.metrics import MetricsWriter, WandbSink, clean_stale_summaries, ett
 from ftbench.report import format_summary, plot_gantt, plot_gantt_panels
 from ftbench.actions import FILE, SNAPSHOT
 from ftbench.failures import FailureScript
-from ftbench.loop import CLOCKS, run_loop
+from ftbench.loop import CLOCKS, run_loop, shared_cores_iteration
 from ftbench.sim.backend import SimBackend
 from ftbench.sim.cache import SimCache
 from ftbench.threads import configure as configure_threads
@@ -298,7 +298,7 @@ def _run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
         **_totals(outcome, ctx.global_batch),
         "peak_memory_bytes": [int(outcome.peak_memory_bytes[w]) for w in sorted(outcome.peak_memory_bytes)],
         "peak_host_bytes_max": backend.peak_host,
-        "iteration_time_s": first.iteration_time if first else None,
+        "iteration_time_s": shared_cores_iteration(first, ctx.hardware.cores) if first else None,
         "bubble_fraction": first.bubble_fraction() if first else None,
         "plans_simulated": cache.distinct_plans,
     }

@@ -106,3 +106,19 @@ def test_a_local_restart_on_a_measured_profile_is_charged_its_measured_restart(t
     assert 7.0 < recovery["charged_restart_s"] <= 7.5  # less the in-place rebuild, measured
     assert recovery["recovery_s"] >= recovery["charged_restart_s"]
     assert measured["time_s"] - measured["productive_s"] >= recovery["charged_restart_s"]
+
+
+def test_workers_sharing_cores_take_at_least_their_busy_time_over_the_cores(tmp_path):
+    """hardware.cores: a job on one machine whose workers share its cores (local: one process,
+    1) takes at least its workers' busy time over the cores; null leaves the makespan."""
+    setup = ("backend=sim", "model=gpt-tiny", "hardware=cpu", "cluster.pp=2", "cluster.dp=2", "train.microbatches=4",
+             "train.iterations=2", "strategy=none", "failures=none", "report.gantt=false")
+    free = run(tmp_path / "free", *setup)
+    one = run(tmp_path / "one", *setup, "hardware.cores=1")
+    many = run(tmp_path / "many", *setup, "hardware.cores=64")
+    busy = free["iteration_time_s"] * 4 * (1 - free["bubble_fraction"])  # the 4 workers' busy time
+    assert one["iteration_time_s"] == pytest.approx(busy)
+    assert one["iteration_time_s"] > free["iteration_time_s"] == many["iteration_time_s"]
+    assert one["time_s"] == pytest.approx(2 * one["iteration_time_s"])
+    bad = run(tmp_path / "bad", *setup, "hardware.cores=0")
+    assert bad["status"] == "error" and "hardware.cores" in bad["error"]
