@@ -326,7 +326,7 @@ class RunLoop:
         self._flight: InFlight | None = None  # the recovery a timed change would be merged into
         self._merging: InFlight | None = None  # set while the strategy answers a merged change
         self._waits = 0  # waits for nodes so far (_wait_for_nodes)
-        self._charged = 0.0  # wall clock: restarts a backend charged rather than performed (restarts_in_place)
+        self._charged = 0.0  # wall clock: restarts a backend charged rather than performed (LocalBackend.charged)
 
     # -- clock --------------------------------------------------------------------------
     def now(self) -> float:
@@ -740,11 +740,9 @@ class RunLoop:
                     self.ckpt.ledger.add(it, self.t + seconds)
             self.t += seconds
         else:
-            charged = getattr(self.backend, "charged", 0.0) if getattr(self.backend, "restarts_in_place", False) else 0.0
-            self._charged += charged
-            seconds = time.perf_counter() - started + charged
-            if charged:
-                charged_restart = charged
+            charged_restart = getattr(self.backend, "charged", 0.0)  # (local: a restart it rebuilt in place)
+            self._charged += charged_restart
+            seconds = time.perf_counter() - started + charged_restart
         self.plan, self.it = new, restored
         self.ckpt.recovered(restored)  # the post-change checkpoint (strategy.checkpoint_after_change)
         self.kept.rollback(restored)  # iterations restored..it-1 were lost: their redo counts instead

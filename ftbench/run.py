@@ -393,12 +393,12 @@ def _draw_gantt(outcome, timelines, run_dir: Path, cfg, ctx, measured: list | No
     the plan after the first such recovery below it, on the same time axis. local and dist
     (`measured`: ftbench.engine.op_times): each timed iteration as it ran, beside the cost
     model's picture of the same plan, each on its own time axis."""
-    first = outcome.first_timeline
-    title = (f"{ctx.spec.name}, {cfg.schedule.name}, pp={cfg.cluster.pp} dp={cfg.cluster.dp}, "
-             f"m={ctx.microbatches}, {cfg.hardware.name}: one iteration {first.iteration_time:.3g} s")
     if measured:
         _draw_measured_gantt(measured, timelines, run_dir, cfg, ctx)
         return
+    first = outcome.first_timeline
+    title = (f"{ctx.spec.name}, {cfg.schedule.name}, pp={cfg.cluster.pp} dp={cfg.cluster.dp}, "
+             f"m={ctx.microbatches}, {cfg.hardware.name}: one iteration {first.iteration_time:.3g} s")
     try:
         after = outcome.plan_after_recovery
         if after is None:

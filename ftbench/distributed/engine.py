@@ -232,8 +232,7 @@ class DistEngine:
             raise DistError(f"the ranks' run loops disagree at iteration {iteration}: iterations "
                             f"{[int(m) - 1 for m in its]}, plan fingerprints {[int(m) for m in crcs]} (ranks {alive})")
         self._commit_steps()  # every rank ended the iteration: its steps stand
-        if self.worker is not None and self.op_timer.current is not None:
-            self.op_timer.end()
+        self.op_timer.end()  # an iteration being timed (this rank's worker's ops) completed
         if self.boundary_log is not None:
             self.boundary_log.seal(iteration)  # only now: a death before the sum abandons the iteration
         loss = torch.zeros((), dtype=torch.float64)

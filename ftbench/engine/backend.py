@@ -19,17 +19,16 @@ from ftbench.recovery_costs import SaveCost
 class LocalBackend:
     jumps = False
     cuts_ops = True
-    # One process cannot restart itself: a RestartJob rebuilds every worker in place (model,
-    # optimizer; the data position follows the iteration). On a measured profile (`ftbench
-    # calibrate`: the restart of a real process on this machine), the wall clock is charged
-    # the rest of that restart, hardware.restart_s less the rebuild (RunLoop.now).
-    restarts_in_place = True
 
     def __init__(self, engine: LocalEngine, realtime: bool = True, restart_s: float = 0.0):
         self.engine = engine
         self.realtime = realtime  # wall clock: a replacement is really waited for
         self.restart_s = restart_s  # hardware.restart_s: what a process restart takes
-        self.charged = 0.0  # wall clock: seconds of process restart the last perform did not perform
+        # One process cannot restart itself: a RestartJob rebuilds every worker in place (model,
+        # optimizer; the data position follows the iteration). On a measured profile (`ftbench
+        # calibrate`: a real process restart on this machine) the wall clock is charged the rest
+        # of it, restart_s less the rebuild: the seconds the last perform charged (RunLoop.now).
+        self.charged = 0.0
         self._measured_persist = False
 
     def start(self, plan: Plan) -> None:

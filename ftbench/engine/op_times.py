@@ -60,7 +60,6 @@ def merged(timed: list[dict], run_dir: Path) -> list[dict]:
     """The leader's timed iterations with every rank's ops (dist): the files the other ranks
     wrote, matched by plan, shape and iteration; a file that does not parse is left out."""
     by_key = {(e["plan"], e["shape"], e["iteration"]): {**e, "ops": list(e["ops"])} for e in timed}
-    own = {id(op) for e in timed for op in e["ops"]}
     for path in sorted((Path(run_dir) / FOLDER).glob("rank-*.json")):
         try:
             entries = json.loads(path.read_text())
@@ -69,7 +68,7 @@ def merged(timed: list[dict], run_dir: Path) -> list[dict]:
         for entry in entries:
             target = by_key.get((entry.get("plan"), entry.get("shape"), entry.get("iteration")))
             if target is not None:
-                target["ops"] += [op for op in entry.get("ops", []) if id(op) not in own]
+                target["ops"] += entry.get("ops", [])
     for entry in by_key.values():  # the leader's own file holds its ops again: once each
         unique = {(op["worker"], op["kind"], op["stage"], op["pipeline"], op["microbatch"]): op for op in entry["ops"]}
         entry["ops"] = sorted(unique.values(), key=lambda op: op["start"])
