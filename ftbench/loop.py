@@ -32,6 +32,7 @@ from ftbench.cluster import Cluster
 from ftbench.errors import ReplayUnavailable, TooFewNodes, UserError
 from ftbench.events import EventQueue
 from ftbench.failures import ITERATION_EVENT_FRACTION, FailureEvent, FailureScript
+from ftbench.journal import Journal, JournaledBackend
 from ftbench.outcome import RunOutcome
 from ftbench.plan import Plan
 from ftbench.recovery_costs import CheckpointLedger, SaveCost, action_seconds, save_cost
@@ -298,9 +299,14 @@ class Checkpoints:
 
 class RunLoop:
     def __init__(self, ctx, strategy, cluster: Cluster, script: FailureScript, backend: Backend, timelines,
-                 log, progress=None, clock: str = "model"):
+                 log, progress=None, clock: str = "model", journal: Journal | None = None):
         if clock not in CLOCKS:
             raise ValueError(f"unknown clock {clock!r}")
+        # With a journal (dist), the backend's answers and the clock's readings are recorded, so
+        # that processes restarted mid-run get this loop back by replaying it (ftbench.journal).
+        self._wall = time.perf_counter if journal is None else journal.clock
+        if journal is not None:
+            backend, log = JournaledBackend(backend, journal), _quiet_while_replaying(log, journal)
         self.ctx, self.strategy, self.cluster, self.backend = ctx, strategy, cluster, backend
         self.view = cluster.view()
         self.timelines, self.log, self.progress = timelines, log, progress
@@ -320,7 +326,7 @@ class RunLoop:
         self.waits_for_joins = bool(getattr(script, "waits_for_joins", False))
         self.kept = KeptIterations()
         self._points: dict = {}
-        self._wall0 = time.perf_counter()
+        self._wall0 = self._wall()
         self._nodes: tuple | None = None  # ((plan, its nodes), ...): the last two plans asked about
         self._action_s: dict = {}  # (action, id(old), id(new)) -> (old, new, modelled seconds)
         self._flight: InFlight | None = None  # the recovery a timed change would be merged into
@@ -330,7 +336,7 @@ class RunLoop:
 
     # -- clock --------------------------------------------------------------------------
     def now(self) -> float:
-        return self.t if self.modelled else time.perf_counter() - self._wall0 + self._charged
+        return self.t if self.modelled else self._wall() - self._wall0 + self._charged
 
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> LoopOutcome:
@@ -478,13 +484,13 @@ class RunLoop:
                 self.progress(self.it, self.now())
             return
         for _ in range(n):
-            started = time.perf_counter()
+            started = self._wall()
             try:
                 loss = self.backend.run_iteration(self.plan, self.it)
             except FailuresDiscovered as found:
                 self._discovered(found)
                 return
-            measured = time.perf_counter() - started
+            measured = self._wall() - started
             if self.modelled:
                 self.t += T
             self.out.losses[self.it] = math.nan if loss is None else loss
@@ -717,7 +723,7 @@ class RunLoop:
                 self.backend.perform([], old, new, it)
                 self.plan = new
             return
-        started, t_event = time.perf_counter(), self.now()
+        started, t_event = self._wall(), self.now()
         interrupted = None
         fallback = None
         try:
@@ -742,7 +748,7 @@ class RunLoop:
         else:
             charged_restart = getattr(self.backend, "charged", 0.0)  # (local: a restart it rebuilt in place)
             self._charged += charged_restart
-            seconds = time.perf_counter() - started + charged_restart
+            seconds = self._wall() - started + charged_restart
         self.plan, self.it = new, restored
         self.ckpt.recovered(restored)  # the post-change checkpoint (strategy.checkpoint_after_change)
         self.kept.rollback(restored)  # iterations restored..it-1 were lost: their redo counts instead
@@ -907,8 +913,16 @@ class _rare_collections:
         return False
 
 
+def _quiet_while_replaying(log, journal: Journal):
+    """`log`, silent while the loop replays its journal (those lines were written before the restart)."""
+    def quiet(record: dict) -> None:
+        if not journal.replaying:
+            log(record)
+    return quiet
+
+
 def run_loop(ctx, strategy, cluster: Cluster, script: FailureScript, backend: Backend, timelines, log,
-             progress=None, clock: str = "model") -> LoopOutcome:
+             progress=None, clock: str = "model", journal: Journal | None = None) -> LoopOutcome:
     """Drive `strategy` through `script` on `backend`; `log(record)` gets every metrics line."""
-    return RunLoop(ctx, strategy, cluster, script, backend, timelines, log, progress, clock).run()
+    return RunLoop(ctx, strategy, cluster, script, backend, timelines, log, progress, clock, journal).run()
 

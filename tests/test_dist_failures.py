@@ -89,6 +89,15 @@ def test_checkpoint_restart_onto_a_standby_after_a_real_kill(tmp_path):
     _assert_complete(summary, lines, 1, 3)
     _assert_measured(summary, [2, 3])
     assert summary["processes"] == 6  # 2 nodes + 1 standby, 2 GPUs each
+    # the restart is real: the 4 processes of nodes 0 and 2 ended and 4 new ones took their ranks,
+    # started by the launcher from the run loop's journal, and each phase of it was measured
+    (measured,) = summary["measured_recoveries"]
+    assert len(measured["processes_ended"]) == len(measured["processes_started"]) == 4
+    assert not set(measured["processes_ended"]) & set(measured["processes_started"])
+    assert 0 < measured["relaunch_s"] < measured["restart_s"]
+    assert measured["restart_s"] >= measured["relaunch_s"] + measured["process_init_s"] + measured["rebuild_s"]
+    assert "restart 1: the processes of nodes [0, 2]" in (tmp_path / "dist" / "launcher.log").read_text()
+    assert summary["recoveries"][0]["recovery_s"] > measured["restart_s"]  # the loop's clock went on across it
     every = next(x["every"] for x in lines if x.get("event") == "checkpoint_interval")
     (recovery,) = summary["recoveries"]
     assert recovery["restored_iteration"] == 3 // every * every

@@ -658,6 +658,11 @@ class DistBackend:
         self._pending: dict | None = None
         self._first_after: dict | None = None
         self.log_stats: dict = {}  # Swift's boundary log over the job (finish): log_peak_bytes, log_files
+        # (folder, ftbench.journal.Journal): set when the launcher starts new processes after
+        # these end (RestartJob); None: a restart rebuilds every worker in place
+        self.relaunch = None
+        self.restarts = 0  # the job's restarts so far (processes ended and started again)
+        self._resumed: dict | None = None  # a restarted process: how its relaunch went, until the recovery uses it
 
     def start(self, plan) -> None:
         self.engine.build(plan)
@@ -827,14 +832,28 @@ class DistBackend:
             return self._perform(actions, old, new, iteration, {}, self._pending)
         return self._perform_again_if_interrupted(actions, old, new, iteration)
 
-    def _perform_again_if_interrupted(self, actions, old, new, iteration: int) -> int | None:
+    def perform_resumed(self, resume: dict, actions, old, new, iteration: int) -> int | None:
+        """In the processes started again after a RestartJob: the recovery it interrupted goes on
+        from the restart (this process builds every worker's state from the initial weights)
+        with what had been done and measured before the processes ended."""
+        carried = resume["call_state"]
+        first = resume["action"]
+        if self.store is None or not self.recover:
+            return self._perform(actions, old, new, iteration, carried["phases"], carried["pending"], first=first)
+        return self._perform_again_if_interrupted(actions, old, new, iteration, carried, first)
+
+    def _perform_again_if_interrupted(self, actions, old, new, iteration: int, carried: dict | None = None,
+                                      first: int = 0) -> int | None:
         from ftbench.loop import FailuresDiscovered
 
-        kept, phases, pending, lost, wasted = self.engine.keep(), {}, self._pending, [], 0.0
+        carried = carried or {"phases": {}, "pending": self._pending, "lost": [], "wasted": 0.0}
+        kept, phases, pending = self.engine.keep(), carried["phases"], carried["pending"]
+        lost, wasted = carried["lost"], carried["wasted"]
         while True:
             started = time.perf_counter()
             try:
-                restored = self._perform(actions, old, new, iteration, phases, pending, lost=lost)
+                restored = self._perform(actions, old, new, iteration, phases, pending, lost=lost, first=first,
+                                         wasted=wasted)
                 break
             except (WaitFailed, RuntimeError) as err:  # a wait failed (other errors stand)
                 wasted += time.perf_counter() - started  # until a wait failed: a few seconds (watched waits)
@@ -858,7 +877,8 @@ class DistBackend:
         raise FailuresDiscovered(_lost_nodes(lost), f"ranks {merged['dead_ranks']} stopped beating during the recovery",
                                  restored=restored)
 
-    def _perform(self, actions, old, new, iteration: int, phases: dict, pending, lost=()) -> int | None:
+    def _perform(self, actions, old, new, iteration: int, phases: dict, pending, lost=(), first: int = 0,
+                 wasted: float = 0.0) -> int | None:
         from ftbench.actions import (LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint,
                                      SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement)
         from ftbench.recovery_costs import action_seconds
@@ -868,7 +888,9 @@ class DistBackend:
         # strategy decides about them next)
         self._place(new, skip=set(_lost_nodes(lost)))
         dies = self._dies_in_recovery(iteration)
-        for action in actions:
+        for index, action in enumerate(actions):
+            if index < first:
+                continue  # done before the processes restarted
             started = time.perf_counter()
             if isinstance(action, (WaitForReplacement, Rendezvous)) and lost:
                 continue  # waited for, or agreed, in the interrupted attempt
@@ -879,7 +901,13 @@ class DistBackend:
                     time.sleep(action.seconds)
                 name = "replacement_s"
             elif isinstance(action, RestartJob):
-                engine.build(new)  # in place: every worker's state from the initial weights
+                if self.relaunch is not None and self._resumed is None:
+                    # every process of the job ends here; the launcher starts new ones, which go on below
+                    self._end_for_restart(index, iteration, phases, pending, list(lost), wasted)
+                engine.build(new)  # every worker's state from the initial weights
+                if self._resumed is not None:  # in the new processes: the restart's phases, measured
+                    phases.update(self._relaunched(time.perf_counter() - started))
+                    continue
                 name = "restart_s"
             elif isinstance(action, RestoreCheckpoint):
                 restored = engine.restore(action.source, new)
@@ -920,6 +948,60 @@ class DistBackend:
             self._first_after = record
         self._pending = None
         return restored
+
+    def _end_for_restart(self, action: int, iteration: int, phases: dict, pending, lost: list,
+                         wasted: float) -> None:
+        """RestartJob with the launcher's restarts: every live rank gets here; the leader writes
+        the run loop's journal and what this recovery has done so far, then every process
+        ends (RESTART_EXIT) and the launcher starts new ones on the nodes still up, which go on
+        from the journal (ftbench.journal). A death before the journal is complete interrupts
+        the recovery as any death during one does."""
+        from ftbench.distributed.worker import RESTART_EXIT, exit_now
+
+        folder, journal = self.relaunch
+        engine, t = self.engine, self.engine.transport
+        begun = time.time()
+        pids = t.all_gather_objects(os.getpid(), f"reach the restart of the job at iteration {iteration}")
+        if engine.rank == t.leader:
+            if engine.store is not None:
+                engine.store.wait()  # a persist in flight completes before the processes end (as in place)
+            state = {"ranks": list(t.alive), "epoch": t.epoch, "restarts": self.restarts + 1,
+                     "worker_rank": dict(t.worker_rank), "node_of_rank": dict(self.node_of_rank),
+                     "standbys": list(self.standbys), "recoveries": self.recoveries, "undone": engine.undone,
+                     "measured_persist": self._measured_persist, "stall": self.stall, "kill": engine.kill,
+                     "begun": begun, "pids": pids}
+            call_state = {"phases": dict(phases), "pending": pending, "lost": lost, "wasted": wasted}
+            journal.write(folder / f"journal-{self.restarts + 1}", {"call": "perform", "action": action,
+                                                                     "state": state, "call_state": call_state})
+        t.all_sum(torch.zeros(1, dtype=torch.float64, device=engine.device),
+                  f"wait for the restart journal of iteration {iteration}")
+        log.info("ends for the restart of the job at iteration %d (restart %d)", iteration, self.restarts + 1)
+        exit_now(RESTART_EXIT)
+
+    def resume_state(self, state: dict, entered: float) -> None:
+        """A process started again after a RestartJob: the backend's state as the journal kept it."""
+        t = self.engine.transport
+        t.worker_rank = dict(state["worker_rank"])
+        self.node_of_rank, self.standbys = dict(state["node_of_rank"]), list(state["standbys"])
+        self.recoveries, self._measured_persist = list(state["recoveries"]), state["measured_persist"]
+        self.stall, self.engine.kill, self.engine.undone = state["stall"], state["kill"], state["undone"]
+        self.restarts = state["restarts"]
+        self._resumed = {"begun": state["begun"], "entered": entered, "ready": time.time(), "pids": state["pids"]}
+
+    def _relaunched(self, rebuild_s: float) -> dict:
+        """The restart's phases, from the slowest process of the job: the old processes' end
+        (reaching the restart, the journal) to the new ones rebuilding every worker's state."""
+        resumed, self._resumed = self._resumed, None
+        now = time.time()
+        mine = {"restart_s": now - resumed["begun"], "relaunch_s": resumed["entered"] - resumed["begun"],
+                "process_init_s": resumed["ready"] - resumed["entered"], "rebuild_s": rebuild_s,
+                "replay_journal_s": now - resumed["ready"] - rebuild_s, "pid": os.getpid()}
+        everyone = self.engine.transport.all_gather_objects(mine, "share the measured restart phases")
+        slowest = dict(max(everyone, key=lambda p: p["restart_s"]))
+        del slowest["pid"]
+        # the processes that ended and those that took their place (no id in common: really restarted)
+        slowest.update(processes_ended=resumed["pids"], processes_started=[p["pid"] for p in everyone])
+        return slowest
 
     def _place(self, plan, skip=frozenset()) -> None:
         """Nodes of `plan` without live processes (a replacement, a failed node that joins

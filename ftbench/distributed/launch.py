@@ -387,45 +387,90 @@ def launch_training(job: dict, processes: int, log, timeout: float, deadline: fl
 def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float, deadline: float) -> dict:
     """The job as `nodes` elastic agents on this machine (ftbench.distributed.agent), one per node,
     meeting in a store this process hosts; the leader's results. Past `deadline` every agent
-    and its processes are stopped."""
+    and its processes are stopped.
+
+    A RestartJob ends every process of the job (ftbench.distributed.engine: the leader first
+    writes the run loop's journal, ftbench.journal); when every agent has exited and the
+    journal of that restart verifies, the job starts again: one new agent per node still up,
+    whose processes keep their ranks and go on from the journal."""
     import pickle
-    import subprocess
-    import sys
 
     from ftbench.distributed.membership import STORE_ENV
+    from ftbench.distributed.worker import RESTARTS_ENV, RESULT_KEY, RESUME_ENV, WORLD_ENV
+    from ftbench.journal import Journal, JournalError
 
     folder = _fresh_folder(job)
     job_path = folder / "job.pkl"
     job_path.write_bytes(pickle.dumps(job))
+    restarts = folder / "restart"
+    for stale in restarts.glob("journal-*") if restarts.exists() else ():
+        stale.unlink()  # an earlier attempt's
     port = free_port()
     store = host_store(port, timeout)
-    run_id = f"ftbench-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, **{STORE_ENV: f"127.0.0.1:{port}", WORLD_ENV: str(nodes * gpus_per_node),
+                              RESTARTS_ENV: str(restarts)})
     tail = _Tail(Path(job["metrics"]), log)
     tail.start()
-    agents = []
+    agents: list = []
     started = time.monotonic()
+    up, incarnation = list(range(nodes)), 0
     try:
-        for node in range(nodes):
-            with open(folder / f"agent{node}.log", "wb") as out:
-                agents.append(subprocess.Popen(
-                    [sys.executable, "-m", "ftbench.distributed.agent", str(job_path), str(node), str(nodes),
-                     str(gpus_per_node), f"127.0.0.1:{port}", run_id],
-                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    env=dict(os.environ, **{STORE_ENV: f"127.0.0.1:{port}"})))
-        _wait_for_agents(agents, _job_view(store), timeout, deadline, started, folder)
+        while True:
+            agents = _start_agents(job_path, up, gpus_per_node, port, folder, env, incarnation)
+            try:
+                _wait_for_agents(agents, _job_view(store), timeout, deadline, started, folder)
+            finally:
+                _stop(agents)
+            journal = restarts / f"journal-{incarnation + 1}"
+            if _job_view(store).check([RESULT_KEY]) or not journal.exists() or first_error(folder) is not None:
+                break
+            try:
+                ranks = Journal.load(journal).resume["state"]["ranks"]
+            except JournalError as err:
+                from ftbench.distributed.transport import DistError
+
+                raise DistError(f"the job's processes ended for a restart, but {err}") from None
+            incarnation += 1
+            up = sorted({r // gpus_per_node for r in ranks})
+            env[RESUME_ENV] = str(journal)
+            with open(folder / "launcher.log", "a") as note:
+                note.write(f"restart {incarnation}: the processes of nodes {up} start again from {journal}\n")
     finally:
-        for agent in agents:  # an agent and the processes it forked share its session
-            if agent.poll() is None:
-                try:
-                    os.killpg(agent.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                agent.wait()
+        _stop(agents)
         tail.stop()
     try:
-        return _result(store, folder, started, f"agent logs in {folder}", _failed_agents(agents, folder))
+        return _result(store, folder, started, f"agent logs in {folder}", _failed_agents(agents, folder, up, incarnation))
     finally:
         del store
+
+
+def _start_agents(job_path: Path, nodes: list[int], gpus_per_node: int, port: int, folder: Path, env: dict,
+                  incarnation: int) -> list:
+    """One elastic agent per node in `nodes`, meeting in a rendezvous of their own."""
+    import subprocess
+    import sys
+
+    run_id = f"ftbench-{uuid.uuid4().hex[:8]}"
+    agents = []
+    for node in nodes:
+        name = f"agent{node}.log" if not incarnation else f"agent{node}-restart{incarnation}.log"
+        with open(folder / name, "wb") as out:
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "ftbench.distributed.agent", str(job_path), str(node), str(len(nodes)),
+                 str(gpus_per_node), f"127.0.0.1:{port}", run_id, str(incarnation)],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env))
+    return agents
+
+
+def _stop(agents) -> None:
+    """Kill what is left of these agents and their processes (they share the agent's session)."""
+    for agent in agents:
+        if agent.poll() is None:
+            try:
+                os.killpg(agent.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            agent.wait()
 
 
 def _wait_for_agents(agents, view, timeout: float, deadline: float, started: float, folder: Path) -> None:
@@ -531,14 +576,15 @@ def _fresh_folder(job: dict) -> Path:
     return folder
 
 
-def _failed_agents(agents, folder: Path) -> str:
+def _failed_agents(agents, folder: Path, nodes: list[int] | None = None, incarnation: int = 0) -> str:
     """Which node agents exited with an error, and the last line each wrote (an agent that
     failed before its processes started, e.g. on an import, leaves no rank error record)."""
     failed = []
-    for node, agent in enumerate(agents):
+    for node, agent in zip(nodes if nodes is not None else range(len(agents)), agents):
         if agent.returncode:
+            name = f"agent{node}.log" if not incarnation else f"agent{node}-restart{incarnation}.log"
             try:
-                lines = (folder / f"agent{node}.log").read_text(errors="replace").strip().splitlines()
+                lines = (folder / name).read_text(errors="replace").strip().splitlines()
             except OSError:
                 lines = []
             failed.append(f"node {node}'s agent exited with {agent.returncode}" + (f": {lines[-1]}" if lines else ""))

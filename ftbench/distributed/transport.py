@@ -199,7 +199,8 @@ class DistTransport:
     """The Transport protocol over torch.distributed for the worker of this process."""
 
     def __init__(self, rank: int, world: int, timeout_s: float, device: torch.device, dtype: torch.dtype,
-                 message_shape: tuple[int, ...], ordered: bool = False):
+                 message_shape: tuple[int, ...], ordered: bool = False, alive: list[int] | None = None,
+                 epoch: int = 0):
         self.rank, self.world = rank, world
         self.timeout_s = float(timeout_s)
         self.timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -209,8 +210,9 @@ class DistTransport:
         # Membership (ftbench.distributed.membership): the live ranks, the group they all share (None:
         # the default group, before any failure), the epoch it belongs to, and which rank runs
         # each worker (a standby's rank takes over the workers of the node it replaces).
-        self.alive: list[int] = list(range(world))
-        self.epoch = 0
+        # (a job's processes restarted by RestartJob: the ranks that came back, in an epoch of their own)
+        self.alive: list[int] = list(range(world)) if alive is None else sorted(alive)
+        self.epoch = epoch
         self.worker_rank: dict[int, int] = {}
         # Watching (with heartbeats: the per-node layout): every collective wait and group
         # creation also ends when the epoch's alarm is posted or a peer stops beating, and a

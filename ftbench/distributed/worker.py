@@ -29,14 +29,27 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ERROR_PREFIX = "error-rank"
+RESTART_EXIT = 75  # a rank's process ended for a RestartJob: the launcher starts the job's processes again
 RESULT_KEY = "result"  # in the job's store: the leader's results, pickled
 
 
+NODE_ENV = "FTBENCH_NODE"  # set by ftbench.distributed.agent: the node whose processes these are
+WORLD_ENV = "FTBENCH_WORLD"  # and the job's processes, every node's (standbys included)
+RESUME_ENV = "FTBENCH_RESUME"  # the restart journal new processes go on from (ftbench.journal)
+RESTARTS_ENV = "FTBENCH_RESTARTS"  # where RestartJob writes that journal: set when the launcher restarts processes
+
+
 def env_ranks() -> tuple[int, int, int, int]:
-    """(rank, world size, local rank, local world size) from the launcher's environment."""
+    """(rank, world size, local rank, local world size) from the launcher's environment. Under
+    ftbench's node agents a rank is its node's first rank plus its local rank, whichever
+    agents the elastic rendezvous met (after a restart, only the nodes still up come back, and
+    every process keeps its rank)."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", str(rank)))
-    return rank, world, local, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if os.environ.get(NODE_ENV) is not None:
+        rank, world = int(os.environ[NODE_ENV]) * local_world + local, int(os.environ[WORLD_ENV])
+    return rank, world, local, local_world
 
 
 def setup_threads(setting, spec) -> int:
@@ -49,9 +62,10 @@ def setup_threads(setting, spec) -> int:
     return threads.apply(threads.choose(setting, spec, usable=usable))
 
 
-def init_process_group(timeout_s: float):
+def init_process_group(timeout_s: float, members: list[int] | None = None, incarnation: int = 0):
     """Join the job's default process group: NCCL on a GPU (one per local rank), gloo on CPU.
-    Returns (rank, world size, device, process group backend)."""
+    Returns (rank, world size, device, process group backend). `members`: the ranks started
+    again after the job's `incarnation`-th restart (the default group is theirs alone)."""
     import torch
     import torch.distributed as dist
 
@@ -66,8 +80,10 @@ def init_process_group(timeout_s: float):
         device, backend = torch.device("cpu"), "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get(STORE_ENV):  # the job's own store, not node 0's agent's: no node's death takes it
-        store = dist.PrefixStore("default/", job_store(timeout_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        prefix = "default/" if not incarnation else f"default/restart{incarnation}/"
+        store = dist.PrefixStore(prefix, job_store(timeout_s))
+        place, size = (rank, world) if members is None else (sorted(members).index(rank), len(members))
+        dist.init_process_group(backend, store=store, rank=place, world_size=size, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
     return rank, world, device, backend
@@ -177,8 +193,12 @@ def train(job: dict, log=None) -> dict | None:
     "metrics": the file rank 0 appends its metrics lines to (when `log` is None)}. Rank 0
     returns the results for the summary; other ranks None."""
     from ftbench.context import RunContext
+    from ftbench.journal import Journal
 
+    entered = time.time()  # a restarted process: its relaunch ends here (DistBackend.perform_resumed)
     cfg = job["cfg"]
+    journal = Journal.load(Path(os.environ[RESUME_ENV])) if os.environ.get(RESUME_ENV) else Journal()
+    resume = journal.resume["state"] if journal.resume is not None else None
     # A rank that has not joined the first group by 3/4 of the deadline writes every thread's
     # stack into its log (a rare hang of a rank forked from a long-lived process, not explained
     # yet): the next occurrence says where.
@@ -188,7 +208,9 @@ def train(job: dict, log=None) -> dict | None:
     threads = setup_threads(cfg.backend.get("threads"), ctx.spec)  # before any torch work
     import torch.distributed as dist
 
-    rank, world, device, pg_backend = init_process_group(float(cfg.backend.timeout_s))
+    rank, world, device, pg_backend = init_process_group(float(cfg.backend.timeout_s),
+                                                         None if resume is None else resume["ranks"],
+                                                         0 if resume is None else resume["restarts"])
     faulthandler.cancel_dump_traceback_later()
     leader_log = _LeaderLog(rank, log, job.get("metrics"))
     heartbeat = alarm = None
@@ -201,7 +223,8 @@ def train(job: dict, log=None) -> dict | None:
         heartbeat = Heartbeat(rank, float(cfg.backend.timeout_s)).start()
         alarm = Alarm(job_store(float(cfg.backend.timeout_s)), rank)  # the main thread's: its waits look at it
     try:
-        result = _train(cfg, ctx, job, leader_log, rank, world, device, pg_backend, threads, heartbeat, alarm)
+        result = _train(cfg, ctx, job, leader_log, rank, world, device, pg_backend, threads, heartbeat, alarm,
+                        journal, entered)
         if result is not None and heartbeat is not None:
             # The leader hands its results to whoever hosts the store (the launcher, or the
             # coordinator of a torchrun job): it may not be rank 0, nor on node 0.
@@ -276,7 +299,8 @@ def _ignore(record: dict) -> None:
     return None
 
 
-def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbeat=None, alarm=None) -> dict | None:
+def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbeat=None, alarm=None, journal=None,
+           entered: float | None = None) -> dict | None:
     import torch
 
     from ftbench.actions import FILE, SNAPSHOT
@@ -304,8 +328,11 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     strategy = build_strategy(cfg.strategy, ctx)
     data = make_source(cfg.train.data, ctx.spec, ctx.seq_len, ctx.seed, cfg.train.data_path)
     dtype = DTYPES[cfg.backend.dtype]
+    resume = journal.resume["state"] if journal is not None and journal.resume is not None else None
     transport = DistTransport(rank, world, float(cfg.backend.timeout_s), device, dtype,
-                              (ctx.microbatch_size, ctx.seq_len, ctx.spec.hidden), ordered=pg_backend == "nccl")
+                              (ctx.microbatch_size, ctx.seq_len, ctx.spec.hidden), ordered=pg_backend == "nccl",
+                              alive=None if resume is None else resume["ranks"],
+                              epoch=0 if resume is None else resume["epoch"] + 1)
     log.leader = lambda: transport.leader
     if alarm is not None:
         transport.watch(alarm)  # every wait also ends on the alarm, or a silent heartbeat
@@ -332,7 +359,11 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
         membership = job_store(float(cfg.backend.timeout_s))  # the heartbeat thread keeps its own client
     stall = parse_stall(cfg.backend.stall) if cfg.backend.get("stall") is not None else None
     backend = DistBackend(engine, cluster.gpus_per_node, cluster.nodes, membership, recover=recover, stall=stall)
-    outcome = run_loop(ctx, strategy, cluster, script, backend, timelines, log, None, clock=clock)
+    if os.environ.get(RESTARTS_ENV):  # the launcher starts new processes when these end for a RestartJob
+        backend.relaunch = (Path(os.environ[RESTARTS_ENV]), journal)
+    if resume is not None:
+        backend.resume_state(resume, entered)
+    outcome = run_loop(ctx, strategy, cluster, script, backend, timelines, log, None, clock=clock, journal=journal)
     backend.close_log()  # the run is over: the log folder goes (as on local)
     if cfg.report.gantt:
         engine.op_timer.write(run_dir, rank)  # before the gather below, which every rank reaches after it
