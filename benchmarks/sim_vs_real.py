@@ -24,7 +24,7 @@ Quantities: `iteration` (the median kept iteration, iteration 0 left out: it war
 `checkpoint stall` (median of the periodic saves), `recovery` (the first recovery's time; not
 on `local` where it holds a rendezvous, which one process does not perform) and `run time`
 (the run's `time_s`). A restart on `local` is charged the profile's measured
-restart (docs/backends.md); `dist` restarts in place, so its restart is measured as that. The
+restart (docs/backends.md); on `dist` the job's processes end and new ones start (measured). The
 failures are the harness's, announced: the simulator's run of each row charges no detection
 (`hardware.detection_s=0`; calibrate measures detection on its own).
 """
