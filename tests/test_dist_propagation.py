@@ -12,9 +12,9 @@ import pytest
 from test_dist import leftover_descendants
 
 dist = pytest.importorskip("torch.distributed")
-pytestmark = [pytest.mark.dist,
-              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                 reason="torch.distributed with gloo is not available")]
+# `dist` marks the tests that start processes; the others run in this process
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
 
 TIMEOUT_S = 60.0  # every wait's deadline: far above anything these tests wait
 
@@ -67,6 +67,7 @@ def _straggler_then_alarm(straggle_s: float) -> dict:
 # after other launches in it, a rank once hung before joining the first group (2 runs in 7;
 # not reproduced since). Spawned ranks whose groups are still closing in a daemon thread used
 # to abort at exit in gloo's teardown (3 runs in 8); they end through worker.exit_now now.
+@pytest.mark.dist
 def test_a_slow_peer_is_waited_for_and_an_alarm_ends_a_collective_at_once(tmp_path):
     from ftbench.distributed.launch import launch
     from ftbench.distributed.membership import WATCH_STALE_S
@@ -109,6 +110,7 @@ def _leaving_rank() -> dict:
     return out
 
 
+@pytest.mark.dist
 def test_a_rank_that_leaves_ends_its_peers_receives_and_group_creations(tmp_path):
     from ftbench.distributed.launch import launch
 
@@ -236,6 +238,7 @@ print("returned", rank_main(work, sys.argv[1] == "fail"), flush=False)
 """
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("fail", [False, True])
 def test_a_rank_ends_at_once_with_its_status_and_its_output(tmp_path, fail):
     """rank_main's exit (worker.exit_now): the rank's status and its unflushed output, without

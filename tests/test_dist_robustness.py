@@ -17,9 +17,9 @@ from conftest import ROOT
 from test_dist import assert_none_left, leftover_descendants
 
 dist = pytest.importorskip("torch.distributed")
-pytestmark = [pytest.mark.dist,
-              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                 reason="torch.distributed with gloo is not available")]
+# `dist` marks the tests that start processes; the others run in this process
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
 
 
 def _cli(tmp_path, *overrides, prelude: str = "") -> tuple[subprocess.CompletedProcess, dict, list[dict]]:
@@ -93,6 +93,7 @@ def test_after_a_failed_wait_with_nobody_dead_detection_ends_in_seconds(dist_sto
 
 
 # -- a standby that dies during Swift's replay ---------------------------------------------
+@pytest.mark.dist
 def test_a_replay_whose_standby_dies_uses_the_next_live_standby(tmp_path):
     """Node 1 fails in iteration 3; the standby taking its place (rank 2) dies as the replay
     begins (backend.kill=2:3:recovery). The replay completes without it, as a restore does,
@@ -125,6 +126,7 @@ def _buggy(error_dir: str) -> None:
         time.sleep(30)
 
 
+@pytest.mark.dist
 def test_a_ranks_bug_is_no_user_error(tmp_path):
     """An exception of a rank that is not a user error is RankFailed (status `error` from an
     exception: exit 1), a DistError only for what the user can act on (exit 2)."""
@@ -151,6 +153,7 @@ engine.DistEngine.run_iteration = run_iteration
 """
 
 
+@pytest.mark.dist
 def test_a_dist_bug_exits_1_with_what_was_done(tmp_path):
     """A bug in every rank at iteration 2 (the forked ranks inherit the patched engine): the run
     ends `error` with exit 1 (was 2, a bad setting's code), and the summary keeps the two
@@ -166,6 +169,7 @@ def test_a_dist_bug_exits_1_with_what_was_done(tmp_path):
     assert summary["iterations"] == 2 and len(summary["losses"]) == 2
 
 
+@pytest.mark.dist
 @pytest.mark.full  # the default tier asserts the same counts in test_dist_failures' straggler past the deadline
 def test_a_job_stopped_after_a_failure_counts_it(tmp_path):
     """Rank 0 pauses 10 s in the recovery from node 1's failure, past backend.timeout_s=5: the

@@ -16,15 +16,16 @@ from conftest import ROOT
 from test_dist import assert_none_left
 
 dist = pytest.importorskip("torch.distributed")
-pytestmark = [pytest.mark.dist,
-              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                 reason="torch.distributed with gloo is not available")]
+# `dist` marks the tests that start processes; the others run in this process
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
 
 SETUP = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=2", "cluster.gpus_per_node=2", "cluster.spares=0",
          "train.iterations=6", "train.microbatches=4", "report.gantt=false", "report.progress=false",
          "backend.timeout_s=30")
 
 
+@pytest.mark.dist
 def test_torchrun_nodes_survive_the_death_of_node_0(tmp_path):
     from ftbench.distributed.launch import free_port
 
@@ -100,6 +101,7 @@ def test_bad_launcher_settings_are_refused(tmp_path, override, message):
     assert override.split("=")[0] in summary["error"]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("module", ["ftbench.distributed", "ftbench.dist"])  # the old name still launches
 def test_a_rank_given_a_store_needs_the_run_folder(module):
     out = subprocess.run([sys.executable, "-m", module, "--store", "127.0.0.1:29500", "model=gpt-tiny"],
