@@ -7,6 +7,12 @@ a measured noise floor: the same fault-free training once more in float64. That 
 depends only on the setup, not on the strategy or the failures, so it is measured once per
 setup in a process (a sweep or a test session judging several strategies of one setup pays
 for it once). A run equal to the reference bit for bit needs no floor and gets none.
+
+The reference itself is trained for every check, unless the process asks to keep references
+(`_REFERENCES` a dict, as the test session does: many tests judge several failure scripts of
+one setup and strategy): then it is trained once per setup and strategy, and each check gets
+its own copy. Fault-free training depends on its config alone (a test relies on it:
+tests/test_local.py, the same config twice gives bit-identical losses).
 """
 from __future__ import annotations
 
@@ -18,18 +24,35 @@ from ftbench.errors import ResultError
 _FLOORS: dict[str, NoiseFloor] = {}  # setup -> its float32 noise floor (this process)
 # What fault-free training does not depend on: the strategy, the failures, reporting.
 _NOT_SETUP = ("strategy", "failures", "report", "wandb", "hydra", "calibrate", "table")
+# setup and strategy -> (losses, final weights) of fault-free training; None: not kept (the default)
+_REFERENCES: dict[str, tuple[list[float], dict]] | None = None
+# What the reference does not depend on, the strategy aside (its run context is the run's).
+_NOT_REFERENCE = ("failures", "report", "wandb", "hydra")
 
 
 def check(cfg, ctx, losses: list[float], state: dict, progress: bool = False) -> dict:
     """The summary's equivalence keys (`ftbench.equivalence.summary_fields`) for a run that
     trained `losses` and final weights `state`."""
-    from ftbench.run import fault_free_reference
-
-    ref_losses, ref_state = fault_free_reference(cfg, ctx, progress=progress)
+    ref_losses, ref_state = reference(cfg, ctx, progress=progress)
     floor = None
     if cfg.backend.dtype == "float32" and not identical(losses, state, ref_losses, ref_state):
         floor = float32_floor(cfg, ctx, ref_losses, ref_state, progress)
     return summary_fields(losses, state, ref_losses, ref_state, floor)
+
+
+def reference(cfg, ctx, progress: bool = False) -> tuple[list[float], dict]:
+    """Losses and final weights of fault-free training of this run's setup
+    (`ftbench.run.fault_free_reference`); with references kept (`_REFERENCES`), trained once
+    per setup and strategy in this process, and a copy returned."""
+    from ftbench.run import fault_free_reference
+
+    key = _setup_key(cfg, _NOT_REFERENCE) if _REFERENCES is not None else None
+    if key is None:
+        return fault_free_reference(cfg, ctx, progress=progress)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = fault_free_reference(cfg, ctx, progress=progress)
+    losses, state = _REFERENCES[key]
+    return list(losses), {name: tensor.clone() for name, tensor in state.items()}
 
 
 def float32_floor(cfg, ctx, ref_losses, ref_state, progress: bool = False) -> NoiseFloor | None:
@@ -55,7 +78,7 @@ def float32_floor(cfg, ctx, ref_losses, ref_state, progress: bool = False) -> No
     return floor
 
 
-def _setup_key(cfg) -> str | None:
+def _setup_key(cfg, left_out: tuple[str, ...] = _NOT_SETUP) -> str | None:
     """The settings fault-free training depends on, as text (None: not comparable)."""
     from omegaconf import OmegaConf
 
@@ -63,5 +86,5 @@ def _setup_key(cfg) -> str | None:
         resolved = OmegaConf.to_container(cfg, resolve=True)
     except Exception:  # noqa: BLE001 an unresolvable config is measured, not cached
         return None
-    kept = {k: v for k, v in resolved.items() if k not in _NOT_SETUP}
+    kept = {k: v for k, v in resolved.items() if k not in left_out}
     return json.dumps(kept, sort_keys=True, default=str)

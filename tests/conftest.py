@@ -55,6 +55,27 @@ def fault_free(tmp_path, *overrides: str) -> tuple[list[float], dict]:
     return _FAULT_FREE[key]
 
 
+_REFERENCES: dict = {}  # the session's references of the runs' own check (ftbench.fault_free._REFERENCES)
+
+
+@pytest.fixture(autouse=True)
+def fault_free_references(request):
+    """A run's own check (report.check_fault_free) trains its setup's fault-free reference
+    once per session (ftbench.fault_free keeps references when asked), except in a test that
+    monkeypatches: what it patches may be what the reference runs, so it trains its own and
+    keeps none."""
+    if "monkeypatch" in request.fixturenames:
+        yield
+        return
+    from ftbench import fault_free
+
+    fault_free._REFERENCES = _REFERENCES
+    try:
+        yield
+    finally:
+        fault_free._REFERENCES = None
+
+
 def assert_matches_fault_free(tmp_path, setup=(), faults=()) -> dict:
     """The equivalence check: run `setup` under `faults` (strategy and failure overrides), then
     the same setup fault-free (strategy=none, failures=none; once per session, `fault_free`);
