@@ -108,6 +108,10 @@ def test_checkpoint_restart_onto_a_standby_after_a_real_kill(tmp_path):
     assert 0 < summary["ettr"] < 1
 
 
+# `full`: the default tier kills ReCycle's leader node on dist unannounced
+# (test_an_unannounced_death_is_rolled_back_and_recovered[recycle], rank 0: the metrics go on
+# from rank 1, the survivors re-route) and re-routes after a death during a recovery.
+@pytest.mark.full
 def test_recycle_reroutes_in_place_when_the_leader_node_dies(tmp_path):
     """Node 0 holds rank 0, which wrote the metrics: rank 1 carries on writing them; ReCycle's
     survivors re-route node 0's micro-batches without restarting or reloading anything."""
@@ -119,9 +123,11 @@ def test_recycle_reroutes_in_place_when_the_leader_node_dies(tmp_path):
     assert recovery["lost_iterations"] == 0 and "RestoreCheckpoint" not in recovery["actions"]
 
 
-# `full` for Elastic Horovod: its scripted kill on dist in the default tier is
-# tests/test_dist_torchrun.py's (node 0 dies), its unannounced deaths are below.
-@pytest.mark.parametrize("strategy", [pytest.param("elastic-horovod", marks=pytest.mark.full), "varuna"])
+# `full`: Elastic Horovod's scripted kill on dist in the default tier is
+# tests/test_dist_torchrun.py's (node 0 dies), its unannounced deaths are below; Varuna's
+# restart onto a new shape from checkpoint files is test_dist_agrees_with_sim's default case.
+@pytest.mark.full
+@pytest.mark.parametrize("strategy", ["elastic-horovod", "varuna"])
 def test_a_seeded_random_kill(tmp_path, strategy):
     """A node and an iteration drawn from a seed (not picked by hand) for the strategies that
     reshape onto the survivors: peer copies (Elastic Horovod) and a new pipeline shape from
@@ -261,9 +267,12 @@ def test_an_unannounced_death_stops_the_run_when_asked(tmp_path):
     assert_none_left(f"FTBENCH_TEST_MARKER={marker}")
 
 
-# `full` for checkpoint: its unannounced death in the default tier is the one during a
-# checkpoint (test_a_death_during_a_checkpoint_is_recovered).
-@pytest.mark.parametrize("strategy", [pytest.param("checkpoint", marks=pytest.mark.full), "varuna"])
+# `full`: checkpoint's unannounced death in the default tier is the one during a checkpoint
+# (test_a_death_during_a_checkpoint_is_recovered); the default tier's unannounced deaths are
+# those and test_an_unannounced_death_is_rolled_back_and_recovered's, Varuna's restart on dist
+# test_dist_agrees_with_sim's.
+@pytest.mark.full
+@pytest.mark.parametrize("strategy", ["checkpoint", "varuna"])
 def test_a_seeded_random_unannounced_death(tmp_path, strategy):
     """A process, an iteration and a point in it drawn from a seed, nothing scripted, for the
     strategies that restart from checkpoint files: onto a standby (checkpoint restart) or onto
@@ -277,6 +286,10 @@ def test_a_seeded_random_unannounced_death(tmp_path, strategy):
     _assert_measured(summary, [rank])
 
 
+# `full`: the default tier waits for a slow peer in tests/test_dist_propagation.py (alive and
+# beating, waited for past a silent heartbeat's notice) and stops a straggler in a recovery
+# past the deadline below.
+@pytest.mark.full
 def test_a_straggler_in_a_recovery_is_waited_for(tmp_path):
     """Rank 0 pauses 3 s as the recovery starts (backend.stall), beating all along: its peers
     wait for it, within backend.timeout_s, and training equals fault-free training."""
