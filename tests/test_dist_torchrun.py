@@ -73,6 +73,55 @@ def test_torchrun_nodes_survive_the_death_of_node_0(tmp_path):
     assert_none_left(f"FTBENCH_TEST_MARKER={marker}")
 
 
+@pytest.mark.dist
+@pytest.mark.full
+def test_torchrun_restarts_the_processes_for_a_checkpoint_restart(tmp_path):
+    """Checkpoint restart under the user's torchrun, with restarts and an elastic node count as
+    docs/distributed.md gives the command: node 1 dies (its agent with it), the standby node
+    takes its workers, and the restart ends every process; the agents of the nodes still up
+    start new ones (torchrun's own restart), which keep their ranks and go on from the journal."""
+    from ftbench.distributed.launch import free_port
+
+    port = free_port()
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1",
+               FTBENCH_TEST_MARKER=marker)
+    overrides = [*SETUP[:4], "cluster.spares=1", *SETUP[5:], "strategy=checkpoint", "strategy.every=2",
+                 "failures.events=[{iteration:3,node:1}]"]
+    run_dir = tmp_path / "run"
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "ftbench", "backend=dist", "backend.launcher=torchrun", f"backend.store_port={port}",
+         *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    nodes = []
+    try:
+        _wait_for_port(port, coordinator)
+        for node in range(3):  # 2 nodes and the standby
+            with open(tmp_path / f"node{node}.log", "w") as out:
+                nodes.append(subprocess.Popen(
+                    [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:3", "--nproc-per-node=2",
+                     "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                     "--rdzv-id=test", "--rdzv-conf=last_call_timeout=5", "-m", "ftbench.distributed",
+                     "--store", f"127.0.0.1:{port}", *overrides, "--run-dir", str(run_dir)],
+                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+        output, _ = coordinator.communicate(timeout=300)
+    finally:
+        for process in [coordinator, *nodes]:
+            if process.poll() is None:
+                process.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok", (summary.get("error"), output[-3000:],
+                                       [(tmp_path / f"node{n}.log").read_text()[-2000:] for n in range(3)])
+    assert summary["matches_fault_free"] is True
+    (measured,) = summary["measured_recoveries"]
+    assert measured["dead_ranks"] == [2, 3]
+    assert len(measured["processes_ended"]) == len(measured["processes_started"]) == 4
+    assert not set(measured["processes_ended"]) & set(measured["processes_started"])
+    for node in (0, 2):  # the survivors' torchrun ends well once the job is done
+        assert nodes[node].wait(timeout=60) == 0, (tmp_path / f"node{node}.log").read_text()[-3000:]
+    assert_none_left(f"FTBENCH_TEST_MARKER={marker}")
+
+
 def _wait_for_port(port: int, coordinator, within_s: float = 60) -> None:
     """Until the coordinator's store listens (torchrun's agents need it from their start)."""
     import socket

@@ -49,13 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.backend.name != "dist":
         print("python -m ftbench.distributed runs backend=dist only", file=sys.stderr)
         return 2
-    rank = env_ranks()[0]
     os.environ[IN_JOB_ENV] = "1"
+    run_dir = Path(run_dir or Path("runs") / "dist" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S"))
     if store is not None:
-        from ftbench.distributed.membership import STORE_ENV
+        from ftbench.distributed.membership import STORE_ENV, job_store
+        from ftbench.distributed.torchrun_restarts import take_identity
 
         os.environ[STORE_ENV] = store
-    run_dir = Path(run_dir or Path("runs") / "dist" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S"))
+        take_identity(job_store(float(cfg.backend.timeout_s)), run_dir)  # a process torchrun started again keeps its rank
+    rank = env_ranks()[0]
     if rank == 0 and store is None:
         from ftbench.run import execute
 

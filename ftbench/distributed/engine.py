@@ -565,10 +565,19 @@ class DistEngine:
 
 
 def _die(why: str) -> None:
-    """This process dies here, as a crashed machine's would (SIGKILL: nothing runs after)."""
+    """This process dies here, as a crashed machine's would (SIGKILL: nothing runs after). Under
+    the user's torchrun its node's agent dies with it, as on a dead machine: an agent that can
+    restart its processes (--max-restarts) must not bring a dead node's back."""
+    from ftbench.distributed.launch import IN_JOB_ENV
+
     log.info("dies: %s", why)
     for handler in log.handlers:
         handler.flush()
+    if os.environ.get(IN_JOB_ENV) and os.environ.get("TORCHELASTIC_RUN_ID"):
+        try:
+            os.kill(os.getppid(), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -971,8 +980,12 @@ class DistBackend:
                      "measured_persist": self._measured_persist, "stall": self.stall, "kill": engine.kill,
                      "begun": begun, "pids": pids}
             call_state = {"phases": dict(phases), "pending": pending, "lost": lost, "wasted": wasted}
-            journal.write(folder / f"journal-{self.restarts + 1}", {"call": "perform", "action": action,
-                                                                     "state": state, "call_state": call_state})
+            path = journal.write(folder / f"journal-{self.restarts + 1}", {"call": "perform", "action": action,
+                                                                            "state": state, "call_state": call_state})
+            if self.store is not None:  # where processes that torchrun starts again find it
+                from ftbench.distributed.torchrun_restarts import LATEST
+
+                self.store.set(LATEST, str(path))
         t.all_sum(torch.zeros(1, dtype=torch.float64, device=engine.device),
                   f"wait for the restart journal of iteration {iteration}")
         log.info("ends for the restart of the job at iteration %d (restart %d)", iteration, self.restarts + 1)

@@ -502,7 +502,7 @@ def coordinate(job: dict, nodes: int, gpus_per_node: int, log, timeout: float, d
     Ends when the leader posts its results, when every rank has stopped beating after an
     error, or past `deadline`."""
     from ftbench.distributed.membership import STALE_S, beats
-
+    from ftbench.distributed.torchrun_restarts import LATEST
     from ftbench.distributed.transport import DistError
     from ftbench.distributed.worker import RESULT_KEY
 
@@ -520,12 +520,15 @@ def coordinate(job: dict, nodes: int, gpus_per_node: int, log, timeout: float, d
     started = time.monotonic()
     last = beats(view, ranks)
     moved = started  # when some rank's beat last moved
+    restart = None  # the journal of the job's last restart (torchrun starts the processes again: no beat meanwhile)
     try:
         while not view.check([RESULT_KEY]):
             now = time.monotonic()
             counts = beats(view, ranks)
             if counts != last:
                 last, moved = counts, now
+            if view.check([LATEST]) and view.get(LATEST) != restart:
+                restart, moved = view.get(LATEST), now + timeout  # the new processes have timeout_s to beat
             if now - moved > 2 * STALE_S and (any(last.values()) or first_error(folder) is not None):
                 break  # every rank that started has stopped, and none posted results
             if now - started > deadline:
