@@ -95,6 +95,7 @@ def test_checkpoint_restart_onto_a_standby_after_a_real_kill(tmp_path):
     assert len(measured["processes_ended"]) == len(measured["processes_started"]) == 4
     assert not set(measured["processes_ended"]) & set(measured["processes_started"])
     assert 0 < measured["relaunch_s"] < measured["restart_s"]
+    assert measured["agents_exit_s"] + measured["agents_start_s"] == pytest.approx(measured["relaunch_s"])
     assert measured["restart_s"] >= measured["relaunch_s"] + measured["process_init_s"] + measured["rebuild_s"]
     assert "restart 1: the processes of nodes [0, 2]" in (tmp_path / "dist" / "launcher.log").read_text()
     assert summary["recoveries"][0]["recovery_s"] > measured["restart_s"]  # the loop's clock went on across it

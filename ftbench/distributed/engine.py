@@ -1009,6 +1009,10 @@ class DistBackend:
         mine = {"restart_s": now - resumed["begun"], "relaunch_s": resumed["entered"] - resumed["begun"],
                 "process_init_s": resumed["ready"] - resumed["entered"], "rebuild_s": rebuild_s,
                 "replay_journal_s": now - resumed["ready"] - rebuild_s, "pid": os.getpid()}
+        key = f"restart/{self.restarts}/launched"  # when ftbench's launcher started the new agents
+        if self.store is not None and self.store.check([key]):
+            launched = float(self.store.get(key))
+            mine.update(agents_exit_s=launched - resumed["begun"], agents_start_s=resumed["entered"] - launched)
         everyone = self.engine.transport.all_gather_objects(mine, "share the measured restart phases")
         slowest = dict(max(everyone, key=lambda p: p["restart_s"]))
         del slowest["pid"]

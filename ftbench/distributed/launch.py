@@ -432,6 +432,7 @@ def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float,
                 raise DistError(f"the job's processes ended for a restart, but {err}") from None
             incarnation += 1
             up = sorted({r // gpus_per_node for r in ranks})
+            _job_view(store).set(f"restart/{incarnation}/launched", repr(time.time()))  # the restart's phases split here
             env[RESUME_ENV] = str(journal)
             with open(folder / "launcher.log", "a") as note:
                 note.write(f"restart {incarnation}: the processes of nodes {up} start again from {journal}\n")
