@@ -46,6 +46,9 @@ class HardwareConfig:
     host_gbps: float = 25.0  # GPU <-> host memory copy bandwidth per GPU (PCIe), GB/s: snapshots and in-memory commits
     op_overhead_s: float = 0.0  # fixed cost of one compute op (launch, dispatch), s: `ftbench calibrate` measures it
     detection_s: float = 0.0  # from a death nobody announced until the survivors agree on it, s
+    # fixed cost of writing one checkpoint file (serialise, sha256, write, fsync; a checkpoint's
+    # manifest is one more), s: `ftbench calibrate` measures it
+    checkpoint_file_s: float = 0.0
     cores: Optional[int] = None  # cores the job's workers share on one machine (local: 1, one process); null: a device each
     measured: Optional[Any] = None  # op times `ftbench calibrate` measured for one model, micro-batch and seq_len
     provenance: Optional[Any] = None  # where a measured profile comes from: host, CPU/GPU, torch, date, command

@@ -122,3 +122,32 @@ def test_workers_sharing_cores_take_at_least_their_busy_time_over_the_cores(tmp_
     assert one["time_s"] == pytest.approx(2 * one["iteration_time_s"])
     bad = run(tmp_path / "bad", *setup, "hardware.cores=0")
     assert bad["status"] == "error" and "hardware.cores" in bad["error"]
+
+
+@pytest.mark.parametrize("cores", [None, 2])
+def test_a_checkpoint_pays_each_files_fixed_cost_and_one_disk_per_machine(cores):
+    """A FILE save: each stage's shard is a file (its fixed cost, hardware.checkpoint_file_s,
+    plus its bytes over storage_gbps) and the manifest one file more. Nodes write their own
+    shards at once (the slowest counts); a job on one machine (hardware.cores) writes every
+    shard to its one disk. A profile without the fixed cost gives what it always gave."""
+    from ftbench.actions import FILE
+    from ftbench.cli import compose
+    from ftbench.context import RunContext
+    from ftbench.plan import checkpoint_writers
+    from ftbench.recovery_costs import _stage_bytes, save_cost
+
+    base = ["backend=sim", "model=gpt-tiny", "hardware=cpu", "cluster.pp=2", "cluster.dp=2"]
+    plain = RunContext.from_config(compose(base))
+    plan = plain.grid_plan(2, 2, 1)
+    writers = checkpoint_writers(plan)
+    shard = {s: _stage_bytes(plan, next(p for p, t in plan.holds[w] if t == s), s, plain.cost_model)
+             for s, w in writers.items()}
+    storage = plain.cost_model.hw.storage_gbps * 1e9
+    assert save_cost(FILE, plan, plain.cost_model).stall_s == max(shard.values()) / storage
+    overrides = base + ["hardware.checkpoint_file_s=0.01"] + ([f"hardware.cores={cores}"] if cores else [])
+    ctx = RunContext.from_config(compose(overrides))
+    stall = save_cost(FILE, plan, ctx.cost_model).stall_s
+    if cores is None:  # two nodes write one shard each, at once; then the manifest
+        assert stall == pytest.approx(0.01 + max(shard.values()) / storage + 0.01)
+    else:  # one disk: both shards and the manifest, one after another
+        assert stall == pytest.approx(3 * 0.01 + sum(shard.values()) / storage)

@@ -62,11 +62,26 @@ def save_and_load(root: Path, shards: dict, reps: int) -> dict:
             "saves": saves, "loads": loads}
 
 
-def synthetic_shards(megabytes: float) -> dict:
-    """About `megabytes` MB of float32 in 8 tensors, as one shard in the engine's layout."""
+SHARDS = 8  # the synthetic state split into this many files: each file's fixed cost, from the difference
+
+
+def synthetic_shards(megabytes: float, files: int = 1) -> dict:
+    """About `megabytes` MB of float32 in 8 tensors, as `files` shards in the engine's layout
+    (the same tensors however many files)."""
     per_tensor = int(megabytes * 1e6 / 4 / 8)
-    model = {f"transformer.h.{i}.mlp.c_fc.weight": torch.rand(per_tensor) for i in range(8)}
-    return {"synthetic": {"model": model, "optim": {}}}
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.rand(per_tensor, generator=generator) for _ in range(8)]
+    shards: dict = {}
+    for i, tensor in enumerate(tensors):
+        name = "synthetic" if files == 1 else f"synthetic{i % files}"
+        shards.setdefault(name, {"model": {}, "optim": {}})["model"][f"transformer.h.{i}.mlp.c_fc.weight"] = tensor
+    return shards
+
+
+def file_cost(single: dict, split: dict, files: int) -> float:
+    """The fixed cost of one checkpoint file: the same bytes saved as `files` shards instead of
+    one take that many files more (at least 0: noise can invert two close medians)."""
+    return max(0.0, (split["save_s"] - single["save_s"]) / (files - 1))
 
 
 def measure_storage(folder: Path, setup: Setup, synthetic_mb: float, reps: int, say) -> dict:
@@ -78,4 +93,8 @@ def measure_storage(folder: Path, setup: Setup, synthetic_mb: float, reps: int, 
     synthetic = save_and_load(folder / "synthetic", synthetic_shards(synthetic_mb), reps)
     say(f"storage: synthetic {synthetic['bytes'] / 1e6:.0f} MB: save {synthetic['save_gbps']:.3f} GB/s, "
         f"load {synthetic['load_gbps']:.3f} GB/s")
-    return {"model": model, "synthetic": synthetic}
+    split = save_and_load(folder / "split", synthetic_shards(synthetic_mb, SHARDS), reps)
+    file_s = file_cost(synthetic, split, SHARDS)
+    say(f"storage: the same in {SHARDS} files: save {split['save_s'] * 1e3:.1f} ms against "
+        f"{synthetic['save_s'] * 1e3:.1f} ms: {file_s * 1e3:.2f} ms per file")
+    return {"model": model, "synthetic": synthetic, "split": {**split, "files": SHARDS}, "file_s": file_s}
