@@ -21,7 +21,10 @@ parallel; no host does more than its cores at once, so each row's simulated run 
 `hardware.cores` (1 on `local`, min(processes, usable cores) on `dist`), and the simulator's
 iteration is max(makespan, busy time / cores) (ftbench/loop.py, shared_cores_iteration).
 Quantities: `iteration` (the median kept iteration, iteration 0 left out: it warms up),
-`checkpoint stall` (median of the periodic saves), `recovery` (the first recovery's time; not
+`checkpoint stall` (median of the periodic saves), the first recovery's phases where `dist`
+measures them (`detection`: death to regroup against the profile's `detection_s`; `restart`:
+the job's processes ended and started again against RestartJob's modelled time; `reload`: the
+checkpoint read back against RestoreCheckpoint's), `recovery` (the first recovery's time; not
 on `local` where it holds a rendezvous, which one process does not perform) and `run time`
 (the run's `time_s`). A restart on `local` is charged the profile's measured
 restart (docs/backends.md); on `dist` the job's processes end and new ones start (measured). The
@@ -47,7 +50,8 @@ SETUP = ("model=gpt-tiny", "train.microbatches=4", "train.iterations=8", "report
 ONE_FAILURE = "failures.events=[{iteration:5,node:1}]"
 LATE_FAILURE = "failures.events=[{iteration:5,node:1,at:0.97}]"
 FAULT_FREE = ("failures=none",)
-QUANTITIES = ("iteration", "checkpoint stall", "recovery", "run time")
+QUANTITIES = ("iteration", "checkpoint stall", "detection", "restart", "reload", "recovery", "run time")
+PHASES = {"restart": ("RestartJob", "restart_s"), "reload": ("RestoreCheckpoint", "state_transfer_s")}
 
 
 def rows(quick: bool, tiny: bool = False) -> list[tuple[str, str, int, tuple[str, ...]]]:
@@ -116,16 +120,28 @@ def quantities(summary: dict, lines: list[dict], backend: str) -> dict[str, floa
     # one process has no communicators: a rendezvous is not performed on local (dist measures it)
     if recovery and not (backend == "local" and "Rendezvous" in recovery["actions"]):
         out["recovery"] = recovery["recovery_s"]
+    phases = (summary.get("measured_recoveries") or [None])[0]  # dist measures each phase
+    if phases:
+        out["detection"] = phases.get("death_to_regroup_s")
+        for quantity, (action, key) in PHASES.items():
+            if action in phases.get("actions", ()):
+                out[quantity] = phases.get(key)
     return {k: v for k, v in out.items() if isinstance(v, (int, float)) and v > 0}
 
 
-def simulated(summary: dict, lines: list[dict]) -> dict[str, float]:
+def simulated(summary: dict, lines: list[dict], detection_s: float) -> dict[str, float]:
+    """The simulator's figures; `detection_s` is the profile's (the simulated run charges none:
+    the harness's failures are announced, but dist still detects each one, and measures it)."""
     out = {"run time": summary.get("time_s"), "iteration": summary.get("iteration_time_s")}
     stall = next((x["stall_s"] for x in lines if x.get("event") == "checkpoint_interval"), None)
     if stall:
         out["checkpoint stall"] = stall
     if summary.get("recoveries"):
-        out["recovery"] = summary["recoveries"][0]["recovery_s"]
+        first = summary["recoveries"][0]
+        out["recovery"] = first["recovery_s"]
+        out["detection"] = detection_s
+        for quantity, (action, _) in PHASES.items():
+            out[quantity] = sum(s for a, s in zip(first["actions"], first.get("action_s", ())) if a == action)
     return {k: v for k, v in out.items() if isinstance(v, (int, float)) and v > 0}
 
 
@@ -149,6 +165,9 @@ def main(argv=None) -> int:
             print(f"--profile must be a file in a folder named hardware/ (as `ftbench calibrate --out` "
                   f"writes it), got {profile}", file=sys.stderr)
             return 2
+    import yaml
+
+    detection_s = float(yaml.safe_load(profile.read_text()).get("detection_s") or 0.0)
     ratios: dict[str, list[float]] = {q: [] for q in QUANTITIES}
     points = []
     print(f"{'row':<28} {'backend':<8} " + " ".join(f"{q:>18}" for q in QUANTITIES), flush=True)
@@ -166,7 +185,7 @@ def main(argv=None) -> int:
                   f"sim {sim_summary.get('status')} ({real_summary.get('error') or sim_summary.get('error')})")
             continue
         measured = quantities(real_summary, real_lines, backend)
-        predicted = simulated(sim_summary, sim_lines)
+        predicted = simulated(sim_summary, sim_lines, detection_s)
         cells = []
         for q in QUANTITIES:
             if q in measured and q in predicted:
@@ -198,7 +217,7 @@ def plot(points: list[tuple[str, float, float]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 5.5))
     try:
-        for q, marker in zip(QUANTITIES, "os^D"):
+        for q, marker in zip(QUANTITIES, "os^Dv<>"):
             xs = [m for name, m, _ in points if name == q]
             ys = [p for name, _, p in points if name == q]
             if xs:

@@ -679,6 +679,8 @@ class RunLoop:
         """The strategy's answer to a merged change, into the group's record: its actions,
         the plan it ends on, the iteration restored and what moved."""
         group["actions"] = group["actions"] + record["actions"]
+        if "action_s" in record:
+            group["action_s"] = group.get("action_s", []) + record["action_s"]
         group["plan"], group["shape"] = record["plan"], record["shape"]
         group["restored_iteration"] = record["restored_iteration"]
         group["lost_iterations"] = group["iteration"] - record["restored_iteration"]
@@ -739,9 +741,10 @@ class RunLoop:
         if self.modelled:
             # a failure is noticed when the survivors agree on it (hardware.detection_s), then recovered
             detection = getattr(self.ctx.hardware, "detection_s", 0.0) if event.kind == "fail" else 0.0
-            seconds = detection
+            seconds, each = detection, []
             for action in actions:
-                seconds += self._action_seconds(action, old, new)
+                each.append(self._action_seconds(action, old, new))
+                seconds += each[-1]
                 if isinstance(action, SaveCheckpoint):
                     self.ckpt.ledger.add(it, self.t + seconds)
             self.t += seconds
@@ -767,6 +770,8 @@ class RunLoop:
             record["copied_bytes"] = math.fsum(chain.from_iterable(map(copy_sizes, moved)))
         if detection:
             record["detection_s"] = detection
+        if self.modelled:  # each action's modelled seconds, beside `actions` (sim_vs_real compares phases)
+            record["action_s"] = each
         if charged_restart:  # one process cannot restart itself: the rest of a restart, charged
             record["charged_restart_s"] = charged_restart
         if fallback is not None:  # what did not verify, and what was done instead
