@@ -11,6 +11,7 @@ from ftbench.plan import Plan
 from ftbench.recovery_costs import logging_stall_s
 from ftbench.schedule import check_coverage, key_bytes
 from ftbench.sim.grid import ComposedResult, GridTimer
+from ftbench.sim.parts_timer import PartsTimer
 from ftbench.sim.pipelines import PipelinesTimer
 from ftbench.sim.simulator import SimResult, simulate
 
@@ -32,6 +33,7 @@ class SimCache:
         self.simulations = 0
         self._grids = GridTimer(cost_model)  # generated grids: from one pipeline of each kind
         self._pipelines = PipelinesTimer(cost_model)  # heterogeneous pipelines (oobleck): from their kinds
+        self._parts = PartsTimer(cost_model)  # bound parts (recycle): from their classes, compiled once per set
 
     def __call__(self, plan: Plan) -> SimResult:
         hit = self._by_id.get(id(plan))
@@ -54,6 +56,7 @@ class SimCache:
             # (memoize=false keeps the plain path: the reference for the grid timer)
             result = (self._grids(plan) if self.enabled else None) or \
                 (self._pipelines(plan) if self.enabled else None) or \
+                (self._parts(plan) if self.enabled else None) or \
                 simulate(plan.schedule, PlanCosts(self.cost_model, plan), staggered=plan.staggered_optimizer)
             if plan.logged:  # Swift's log writes, where storage cannot keep up with training
                 result.iteration_time += logging_stall_s(plan, self.cost_model, result.iteration_time)

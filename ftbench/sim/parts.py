@@ -88,14 +88,29 @@ def bound_copies(parts, costs, templates) -> tuple[list[BoundCopy], list[PartFlo
     plan = getattr(costs, "plan", None)
     if plan is None:
         return None
+    first: dict[tuple, tuple] = {}
+    out = []
+    for key, workers, flows in keyed_parts(parts, plan, templates):
+        rep = first.get(key)
+        if rep is None:
+            first[key] = (workers, flows, {})
+        else:
+            out.append(BoundCopy(dict(zip(rep[0], workers)), rep[1], flows, rep[2]))
+    return out, [flows for _, flows, _ in first.values()]
+
+
+def keyed_parts(parts, plan, templates):
+    """Per bound part, in order: (what decides its timing and memory besides its flows'
+    names: (its templates' number, each local pipeline's split, its node-sharing pattern,
+    its workers' kept state where it is not just the replica each steps, else None), its
+    workers ordered by template (the shape's order), its PartFlows). Parts with equal keys
+    time out alike, worker for worker in that order."""
     node_of, partition, holds = plan.node_of, plan.partition, plan.holds
     split_id: dict[int, int] = {}  # id of a pipeline's partition (alive with the plan) -> a small number
     split_of = [split_id.setdefault(id(layers), len(split_id)) for layers in partition]
     one_split = len(split_id) == 1  # every pipeline cut alike (a grid): each local pipeline's split is 0
     sequences = _Sequences(templates)
     same_node = {}  # workers per part -> the pattern of one node for all
-    first: dict[tuple, tuple] = {}
-    out = []
     known = sequences.found
     for flows, members in parts:
         found = known.get(tuple(map(_template, members)))
@@ -118,13 +133,7 @@ def bound_copies(parts, costs, templates) -> tuple[list[BoundCopy], list[PartFlo
             forms = tuple(tuple((split_id.setdefault(id(partition[d]), len(split_id)), s) for d, s in holds.get(w, ()))
                           for w in workers)
         splits = (0,) * len(pipes) if one_split else tuple(map(split_of.__getitem__, pipes))
-        key = (templates_id, splits, pattern, forms)
-        rep = first.get(key)
-        if rep is None:
-            first[key] = (workers, flows, {})
-        else:
-            out.append(BoundCopy(dict(zip(rep[0], workers)), rep[1], flows, rep[2]))
-    return out, [flows for _, flows, _ in first.values()]
+        yield (templates_id, splits, pattern, forms), workers, flows
 
 
 class _Sequences:
