@@ -19,7 +19,7 @@ from itertools import chain
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
-from operator import itemgetter
+from operator import eq, itemgetter
 from typing import NamedTuple
 
 from ftbench.layers import GradientSync, Layout, stage_layout
@@ -448,27 +448,43 @@ def _part_coverage_problems(schedule: Schedule, parts) -> list[str]:
     ops, n = schedule.ops, len(schedule.stages)
     problems: list[str] = []
     local_ok: dict[tuple, tuple[list[str], list]] = {}  # shape -> (its problems, its steps (local pipeline, stage))
-    wholes, shared, stepped_list = [], defaultdict(list), []
+    ranked: dict[tuple, tuple] = {}  # a part's template ids in worker order -> sorted
+    wholes, stepped_list = [], []
+    flow_pipes, flow_mbs = [], []  # every part's (pipeline, micro-batches), in part order
     stages_of, counts_of = schedule.stages.__getitem__, schedule.microbatches
+    uniform = schedule.stages.count(schedule.stages[0]) == n if n else True
+    stage_rows: dict[int, tuple] = {}  # local pipelines -> their stage counts (every pipeline alike)
     for flows, members in parts:
         pipes, mbs = flows
         if len(set(pipes)) != len(pipes) or len(mbs) != len(pipes) or min(pipes) < 0 or max(pipes) >= n:
             problems.append(f"part of workers {[w for w, _ in members][:4]} names pipelines {pipes[:8]}: "
                             "each must be a distinct pipeline of the schedule")
             continue
-        shape = (tuple(sorted([t for _, t in members])), tuple(map(stages_of, pipes)), tuple(map(len, mbs)))
+        tids = tuple(map(_second, members))
+        order = ranked.get(tids) or ranked.setdefault(tids, tuple(sorted(tids)))
+        if uniform:
+            row = stage_rows.get(len(pipes)) or stage_rows.setdefault(len(pipes), tuple(map(stages_of, pipes)))
+        else:
+            row = tuple(map(stages_of, pipes))
+        shape = (order, row, tuple(map(len, mbs)))
         found = local_ok.get(shape)
         if found is None:
             found = local_ok[shape] = _shape_coverage(ops.templates, *shape)
         if found[0]:
             problems += found[0]
             continue
-        for d, ks in zip(pipes, mbs):
-            if len(ks) == counts_of[d] and ks == identity(len(ks)):
-                wholes.append(d)
-            else:
-                shared[d] += ks
+        flow_pipes += pipes
+        flow_mbs += mbs
         stepped_list.extend([(pipes[p], st) for p, st in found[1]])
+    # A flow list naming all of its pipeline's micro-batches in order runs it whole (counted
+    # in bulk: a large plan has tens of thousands of such lists).
+    full = list(map(eq, map(len, flow_mbs), map(counts_of.__getitem__, flow_pipes)))
+    shared = defaultdict(list)
+    for d, ks, whole in zip(flow_pipes, flow_mbs, full):
+        if whole and ks == identity(len(ks)):
+            wholes.append(d)
+        else:
+            shared[d] += ks
     whole = Counter(wholes)
     problems += [f"pipeline {d} is run whole by {times} parts" for d, times in whole.items() if times > 1]
     for d, ks in shared.items():  # pipelines whose micro-batches several parts share
@@ -488,6 +504,9 @@ def _part_coverage_problems(schedule: Schedule, parts) -> list[str]:
     return problems
 
 
+_second = itemgetter(1)
+
+
 def _flow_problems(d: int, ks: list[int], count: int, whole: int) -> list[str]:
     """What is wrong with the micro-batches `ks` of pipeline d that parts name one by one
     (`whole`: how many parts run all of d as well)."""
@@ -505,12 +524,20 @@ def _shape_coverage(templates, tids, stages, microbatches) -> tuple[list[str], l
     """(problems, steps as (local pipeline, stage)) of one shape of bound part: its templates
     `tids` as a small schedule of local pipelines with these stage and micro-batch counts, in
     which every local flow must run whole (steps are checked across parts)."""
-    one = Schedule({i: [Op(*op) for op in templates[t]] for i, t in enumerate(tids)},
+    problems, steps = _shape_problems(tuple(templates[t] for t in tids), stages, microbatches)
+    return [f"{problem} (local, in a part of shape {tids[:4]})" for problem in problems], steps
+
+
+@lru_cache(maxsize=256)
+def _shape_problems(orders: tuple, stages, microbatches) -> tuple[list[str], list[tuple[int, int]]]:
+    """_shape_coverage of a shape given by its templates' orders (kept: a run's plans repeat a
+    few shapes, each plan a new numbering of its templates). Callers do not change the lists."""
+    one = Schedule({i: [Op(*op) for op in order] for i, order in enumerate(orders)},
                    stages=stages, microbatches=microbatches)
     stepped = {(st, p) for p, count in enumerate(stages) for st in range(count)}
     problems = _problems_of(one, Counter(op for w in one.ops for op in one.ops[w]), range(len(stages)), stepped)
     steps = [(op.pipeline, op.stage) for w in one.ops for op in one.ops[w] if op.kind == OPT]
-    return [f"{problem} (local, in a part of shape {tids[:4]})" for problem in problems], steps
+    return problems, steps
 
 
 _SPLIT, _FUSED = {F, B, W}, {F, BW}
