@@ -121,7 +121,7 @@ def _assert_sound(result):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("seed", LOCAL_SEEDS)
+@pytest.mark.parametrize("seed", [LOCAL_SEEDS[0], *(pytest.param(s, marks=pytest.mark.full) for s in LOCAL_SEEDS[1:])])
 def test_random_failures_on_local_train_the_fault_free_model_or_say_why_not(tmp_path, seed, strategy):
     # run_case runs the same setup fault-free once per seed (cached) and compares losses and weights.
     _assert_sound(run_case(random_case(seed, strategy, "local"), tmp_path, timeout_s=120))
