@@ -13,6 +13,29 @@ os.environ.setdefault("WANDB_SILENT", "true")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The quick tier (python -m pytest -m quick, about 2 minutes on 2 cores, for development): these
+# files, which train no model for long and start no process (schedules, plans, the simulator
+# with every strategy, planners, checkpoint store, undo, configs, report), and the tests
+# marked `quick` elsewhere (Swift's simulator tests). Their `slow`, `dist`, `full` and `chaos`
+# tests stay out of it.
+QUICK_FILES = {
+    "test_actions.py", "test_checkpoint_sim.py", "test_checkpoint_store.py", "test_config.py",
+    "test_costs_measured.py", "test_dist_settings.py", "test_failures.py", "test_gpt_model.py", "test_layering.py",
+    "test_layers.py", "test_lint.py", "test_merged_recoveries.py", "test_oobleck_nodes.py", "test_op_times.py",
+    "test_recompute.py", "test_recycle_memory.py", "test_report.py", "test_run_folder.py", "test_schedule.py",
+    "test_scorecard.py", "test_sim_grid_timer.py", "test_sim_parts.py", "test_sim_runs.py", "test_swift_logging.py",
+    "test_transport.py", "test_undo.py",
+}
+OTHER_TIERS = ("slow", "dist", "full", "chaos")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in QUICK_FILES and not any(item.get_closest_marker(m) for m in OTHER_TIERS):
+            item.add_marker(pytest.mark.quick)
+
+
 def compose(*overrides: str):
     """The config the CLI would build for these overrides (no run folder, no Hydra job)."""
     from ftbench.cli import compose as cli_compose

@@ -107,6 +107,7 @@ def test_replays_of_every_shape_are_exact(tmp_path, setup, events):
     assert _exactly_equal(s, _reference(tmp_path, *plain))
 
 
+@pytest.mark.quick  # Swift on sim, in the quick tier (tests/conftest.py)
 @pytest.mark.parametrize("budget,logged,replayed", [(None, 3, 1), (0.0004, 3, 1), (0.0002, 1, 2)])
 def test_selective_logging_trades_log_for_replay(budget, logged, replayed):
     """Under a smaller budget nodes share a logging group: fewer boundaries are logged, and a
@@ -169,6 +170,7 @@ def test_parallel_recovery_equals_the_serial_replay_to_float_tolerance(tmp_path)
     assert lines and lines[0]["actions"][-1] == "ReplayLogs"
 
 
+@pytest.mark.quick  # Swift on sim, in the quick tier (tests/conftest.py)
 def test_parallel_recovery_shortens_the_modelled_replay(tmp_path):
     """On sim, the replay's compute is shared by the helpers (each also loads the checkpoint)."""
     setup = ("backend=sim", "model=gpt3-medium", "cluster.pp=8", "cluster.dp=1", "train.iterations=200",
@@ -234,6 +236,7 @@ def test_swift_keeps_less_beside_training_state_than_elastic_horovod(tmp_path):
     assert len(set(device.values())) == 1, device
 
 
+@pytest.mark.quick  # Swift on sim, in the quick tier (tests/conftest.py)
 def test_on_sim_swift_extra_memory_is_below_elastic_horovods(tmp_path):
     """GPT-3 2.7B, pp 8 x dp 2: Swift's undo gradient (device) plus its log buffer (host)
     against Elastic Horovod's commit (host)."""
@@ -248,6 +251,7 @@ def test_on_sim_swift_extra_memory_is_below_elastic_horovods(tmp_path):
 
 # -- bad settings ----------------------------------------------------------------------------
 
+@pytest.mark.quick  # Swift on sim, in the quick tier (tests/conftest.py)
 @pytest.mark.parametrize("overrides,setting", [
     (("strategy.log_budget_gb=0.00000001",), "strategy.log_budget_gb"),  # below one iteration of a boundary
     (("strategy.log_budget_gb=0.0001",), "strategy.log_budget_gb"),  # every node merged into one group
@@ -274,6 +278,7 @@ def test_a_config_error_is_raised_before_anything_runs():
 
 # -- sim ---------------------------------------------------------------------------------------
 
+@pytest.mark.quick  # Swift on sim, in the quick tier (tests/conftest.py)
 def test_on_sim_replay_grows_with_the_iterations_since_the_checkpoint(tmp_path):
     """A failure 90 iterations past the checkpoint replays more than one 10 past it, and both
     cost less than checkpoint restart's redo of the same iterations after its restart."""
@@ -389,6 +394,7 @@ def test_the_benchmarks_ratio_moves_with_the_run_length_and_the_restart_cost(cap
         bench.main(["--iterations", "150"])  # the failure strikes at 150: it would never happen
 
 
+@pytest.mark.quick  # Swift on sim, in the quick tier (tests/conftest.py)
 def test_logging_stalls_training_only_where_storage_cannot_keep_up(tmp_path):
     """The log writes overlap training: free at the profile's storage bandwidth, a stall when
     a node cannot write an iteration's log within an iteration."""
