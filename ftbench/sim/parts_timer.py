@@ -21,14 +21,14 @@ when first read.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 
 from ftbench.costs import PlanCosts
 from ftbench.plan import Plan
 from ftbench.schedule import OPT, GridOps, PartFlows, Schedule, _bound, identity
-from ftbench.sim.grid import ComposedResult
+from ftbench.sim.grid import PEAKS, ComposedResult
 from ftbench.sim.parts import keyed_parts
-from ftbench.sim.simulator import SimResult, Simulation, simulate
+from ftbench.sim.simulator import STAGGER_ROUNDS, SimResult, Simulation, simulate
 
 KEEP_COMPILED = 32  # sets of classes kept compiled, least recently used first out
 
@@ -162,13 +162,35 @@ class _Compiled:
         self._steps = self.simulation.graph.steps  # as compiled: each sync's members (canonical)
         self.syncs = [(node.units, members) for _, node, w, _, _, members in self._steps if w is None]
         self.place = {w: (j, k) for j, workers in enumerate(self.workers) for k, w in enumerate(workers)}
+        first = self.simulation.result(staggered)  # (its all-reduce charges do not move memory)
+        self.peaks = {name: getattr(first, name) for name in PEAKS}
 
-    def result(self, seconds: dict) -> SimResult:
-        """The canonical plan timed with fragment `units`' all-reduce taking seconds[units]."""
+    def timed(self, seconds: dict) -> tuple[float, dict[int, float]]:
+        """(iteration time, busy seconds per canonical worker) with fragment `units`' all-reduce
+        taking seconds[units]: Simulation.result's rounds and figures, without its memory pass
+        (`peaks`: memory follows each worker's order only) nor its rows."""
         graph = self.simulation.graph
         graph.steps = [step if step[2] is not None else (step[0], step[1], None, seconds[step[1].units], *step[4:])
                        for step in self._steps]
-        return self.simulation.result(self.staggered)
+        released = self.plan.schedule.released
+        period = released.period if released is not None else 0.0
+        worker_free = defaultdict(float)
+        rounds = [graph.one_round(worker_free, r * period) for r in range(STAGGER_ROUNDS if self.staggered else 1)]
+        ops_out, ar_out = rounds[-1]
+        busy = dict.fromkeys(self.plan.schedule.ops, 0.0)
+        if not self.staggered:
+            for w, _, start, end in ops_out:
+                busy[w] += end - start
+            return max([e for *_, e in ops_out] + [e for *_, e in ar_out], default=0.0), busy
+        # staggered: the period between the ends of the last two rounds; rows shifted to the
+        # start of the one before (as the simulator shows them, and sums busy times from)
+        prev_ops, prev_ar = rounds[-2]
+        t0 = min(s for _, _, s, _ in prev_ops)
+        end_prev = max([e for *_, e in prev_ops] + [e for *_, e in prev_ar])
+        end_last = max([e for *_, e in ops_out] + [e for *_, e in ar_out])
+        for w, _, start, end in ops_out:
+            busy[w] += (end - t0) - (start - t0)
+        return end_last - end_prev, busy
 
 
 class PartsResult(ComposedResult):
@@ -181,9 +203,7 @@ class PartsResult(ComposedResult):
         self._plan, self._model, self._classes, self._compiled = plan, cost_model, classes, compiled
         self._dicts: dict[str, dict] = {}
         self._whole: SimResult | None = None
-        canonical = compiled.result(_charges(plan, cost_model, compiled, classes))
-        self.iteration_time = canonical.iteration_time
-        self._canonical = canonical
+        self.iteration_time, self._busy = compiled.timed(_charges(plan, cost_model, compiled, classes))
 
     def _canonical_of(self) -> dict[int, int]:
         """Real worker -> the canonical worker whose figures it takes."""
@@ -198,7 +218,8 @@ class PartsResult(ComposedResult):
     def _per_worker(self, name: str) -> dict:
         found = self._dicts.get(name)
         if found is None:
-            values, canonical = getattr(self._canonical, name), self._canonical_of()
+            values = self._busy if name == "busy" else self._compiled.peaks[name]
+            canonical = self._canonical_of()
             workers = list(self.schedule.ops)
             found = self._dicts[name] = dict(zip(workers, map(values.__getitem__, map(canonical.__getitem__, workers))))
         return found
