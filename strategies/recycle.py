@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from itertools import repeat
 
 from ftbench.actions import FILE, Rendezvous, SyncFromPeers
 from ftbench.cluster import Cluster
@@ -384,12 +385,16 @@ def _grid_ops(stored, renaming: Renaming, pp: int, idle: dict[int, int]) -> Grid
             ids[pos] = len(templates)
             templates.append(tuple((op.kind, op.stage, op.microbatch, op.pipeline) for op in order_)
                              + ((OPT, pos[1], NO_MICROBATCH, pos[0]),))
+        tids_of: dict[tuple, list[int]] = {}  # a part's local positions -> their templates (shared by its shape)
         for part in parts:
             flows = PartFlows(tuple(map(label.__getitem__, part.pipeline_of)), part.microbatches)
+            local = part.local
+            places = tuple(local.values())
+            tids = tids_of.get(places) or tids_of.setdefault(places, [ids[pos] for pos in places])
             # (grid_worker written out: sixteen thousand workers at every failure of a large grid)
-            records = [(at[s][i] * pp + s, ids[local]) for (i, s), local in part.local.items()]
-            records.sort()
-            of.update([(w, (tid, flows)) for w, tid in records])
+            workers = [at[s][i] * pp + s for i, s in local]
+            records = sorted(zip(workers, tids))
+            of.update(zip(workers, zip(tids, repeat(flows))))
             members.append((flows, records))
     steps = {}  # an idle worker's template, per stage: its step alone, a part of its own
     for w, d in idle.items():
@@ -400,7 +405,7 @@ def _grid_ops(stored, renaming: Renaming, pp: int, idle: dict[int, int]) -> Grid
         flows = PartFlows((d,), ((),))
         of[w] = (steps[s], flows)
         members.append((flows, [(w, steps[s])]))
-    ops = GridOps(tuple(templates), dict(sorted(of.items())))
+    ops = GridOps(tuple(templates), {w: of[w] for w in sorted(of)})  # (by worker: sorting ints, not records)
     members.sort(key=lambda part: part[1][0][0])
     ops.set_parts(members)  # what GridOps.parts would find, known here already
     return ops
