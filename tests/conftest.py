@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # The quick tier (python -m pytest -m quick, about 2 minutes on 2 cores, for development): these
-# files, which train no model for long and start no process (schedules, plans, the simulator
+# files, which train no model for long and launch no dist job (schedules, plans, the simulator
 # with every strategy, planners, checkpoint store, undo, configs, report), and the tests
 # marked `quick` elsewhere (Swift's simulator tests). Their `slow`, `dist`, `full` and `chaos`
 # tests stay out of it.
