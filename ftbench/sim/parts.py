@@ -111,10 +111,11 @@ def keyed_parts(parts, plan, templates):
     one_split = len(split_id) == 1  # every pipeline cut alike (a grid): each local pipeline's split is 0
     sequences = _Sequences(templates)
     same_node = {}  # workers per part -> the pattern of one node for all
+    no_splits = {}  # local pipelines -> (0, ...): every pipeline cut alike
     known = sequences.found
     for flows, members in parts:
         found = known.get(tuple(map(_template, members)))
-        order, templates_id, steps = found if found is not None else sequences.of(members)
+        order, templates_id, step_pipes, step_stages = found if found is not None else sequences.of(members)
         if order is not None:
             members = [members[i] for i in order]  # by template: its place in the shape
         workers = tuple(map(_worker, members))
@@ -127,12 +128,16 @@ def keyed_parts(parts, plan, templates):
         pipes = flows.pipelines
         # The state each worker keeps: usually exactly the replica it steps, which its template
         # and the part's pipelines already fix; else each replica by its layers.
-        if list(map(holds.get, workers)) == [((pipes[p], st),) for p, st in steps]:
+        # (each ((pipes[p], st),) made in bulk: zip of one iterable gives one-tuples)
+        if list(map(holds.get, workers)) == list(zip(zip(map(pipes.__getitem__, step_pipes), step_stages))):
             forms = None
         else:
             forms = tuple(tuple((split_id.setdefault(id(partition[d]), len(split_id)), s) for d, s in holds.get(w, ()))
                           for w in workers)
-        splits = (0,) * len(pipes) if one_split else tuple(map(split_of.__getitem__, pipes))
+        if one_split:
+            splits = no_splits.get(len(pipes)) or no_splits.setdefault(len(pipes), (0,) * len(pipes))
+        else:
+            splits = tuple(map(split_of.__getitem__, pipes))
         yield (templates_id, splits, pattern, forms), workers, flows
 
 
@@ -140,8 +145,8 @@ class _Sequences:
     """Per sequence of template ids (a part's members in worker order), worked out once: the
     order that sorts the members by template (None: already sorted), a number for the sorted
     template ids (equal for equal ones: a short stand-in in the part's key), and each one's
-    optimizer step (local pipeline, stage), (-1, -1) where a template has no single step
-    (never a plain grid replica). Parts of one shape share their sequence."""
+    optimizer step as two columns, local pipelines and stages ((-1, -1) where a template has
+    no single step: never a plain grid replica). Parts of one shape share their sequence."""
 
     def __init__(self, templates):
         self.templates = templates
@@ -157,7 +162,8 @@ class _Sequences:
             # (a stable sort of the members by template, as sorted(members, key=_template))
             order = None if list(tids) == ranked else sorted(range(len(tids)), key=tids.__getitem__)
             number = self.number.setdefault(tuple(ranked), len(self.number))
-            found = self.found[tids] = (order, number, [self.steps_of(t) for t in ranked])
+            steps = [self.steps_of(t) for t in ranked]
+            found = self.found[tids] = (order, number, tuple(p for p, _ in steps), tuple(st for _, st in steps))
         return found
 
     def steps_of(self, tid: int) -> tuple:
