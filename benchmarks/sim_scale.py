@@ -35,11 +35,11 @@ line per grid with the sets checked and the largest slow-down and speed-up.
     python benchmarks/sim_scale.py [--scale 1024|16k] [--gpus-per-node N] [--strategies a,b]
                                    [--limit-s 600] [--growth] [--no-check] [extra Hydra overrides...]
 
-Typical duration on 2 shared cores: 11-21 s at 1,024 GPUs (recycle 3-4 s of it, with 8 or 1 GPUs
-per node), then 2-5 min for the normalisation check; 3-6 min at 16k with 8 per node (recycle about
-2 min of it: 114-116 s measured at load average 3-5); with 1 GPU per node at 16k recycle takes about
-3 min (164-172 s) (docs/strategies/recycle.md, "Scale"); --growth not re-measured (earlier: about
-5 min).
+Typical duration on 2 shared cores: 11-21 s at 1,024 GPUs (recycle 2-4 s of it, with 8 or 1 GPUs
+per node), then 2-5 min for the normalisation check; 2-5 min at 16k with 8 per node (recycle about
+1 min of it: 54-63 s measured on 2026-11-27 at load average 1.3-1.9); with 1 GPU per node at 16k
+recycle takes about 2 min (129-135 s) (docs/strategies/recycle.md, "Scale"); --growth not
+re-measured (earlier: about 5 min).
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ SCALES = {"1024": "sim-6.7b-1024gpu", "16k": "sim-6.7b-16k"}
 BENCH_FILE = "sim_scale.json"  # what a child adds to summary.json: its stopwatches
 # measured wall time of the default run (MORE: other options)
 DURATION = "11-21 s on 2 shared cores at 1,024 GPUs, and 2-5 min for ReCycle's normalisation check"
-MORE = ("--scale 16k 3-6 min (recycle about 2 min of it; with --gpus-per-node 1 about 3 min); "
+MORE = ("--scale 16k 2-5 min (recycle about 1 min of it; with --gpus-per-node 1 about 2 min); "
         "--growth not re-measured (earlier: about 5 min)")
 
 
