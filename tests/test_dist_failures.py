@@ -143,17 +143,19 @@ def test_a_seeded_random_kill(tmp_path, strategy):
     _assert_measured(summary, [node])
 
 
-# The default tier runs Varuna's merged restart (a join and a member's failure during the
-# first restart); the other strategies are killed on dist in this file's other tests (and
-# Oobleck's merge on dist in tests/test_oobleck.py), their sim conformance is
-# tests/test_conformance.py's, and `-m full` runs them here too.
+# All in `full`: each strategy is killed on dist in this file's other tests (the real restart
+# of the job's processes: checkpoint's, onto a standby and after a death during a checkpoint;
+# Oobleck's merge on dist in tests/test_oobleck.py), the merge of changes into a recovery is
+# the run loop's and in tests/test_conformance.py for every strategy (sim against local), and
+# Varuna's merged restart here makes three real restarts (about 2 minutes on 2 cores).
 @pytest.mark.parametrize("strategy, events", [
     pytest.param("checkpoint", [dict(iteration=3, node=3)], marks=pytest.mark.full),
     pytest.param("elastic-horovod", [dict(iteration=2, node=1), dict(iteration=5, node=3)], marks=pytest.mark.full),
     pytest.param("recycle", [dict(iteration=3, node=3)], marks=pytest.mark.full),
     pytest.param("oobleck", [dict(iteration=2, node=1), dict(iteration=4, node=4)],  # a merge, then a borrow
                  marks=pytest.mark.full),
-    ("varuna", "changes during recovery"),  # a join and a member's failure merged into one restart
+    # a join and a member's failure merged into one restart
+    pytest.param("varuna", "changes during recovery", marks=pytest.mark.full),
 ])
 def test_dist_agrees_with_sim(tmp_path, strategy, events):
     """The conformance check (tests/test_conformance.py) with dist in it: on the modelled clock
