@@ -27,34 +27,10 @@ SETUP = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=2", "cluster.gpus_per_nod
 
 @pytest.mark.dist
 def test_torchrun_nodes_survive_the_death_of_node_0(tmp_path):
-    from ftbench.distributed.launch import free_port
-
-    port = free_port()
-    marker = uuid.uuid4().hex
-    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1",
-               FTBENCH_TEST_MARKER=marker)
     # float32: the survivors continue at dp 1, which sums gradients in another order (within the floor)
     overrides = [*SETUP, "strategy=elastic-horovod", "failures.events=[{iteration:2,node:0}]"]
-    run_dir = tmp_path / "run"
-    coordinator = subprocess.Popen(
-        [sys.executable, "-m", "ftbench", "backend=dist", "backend.launcher=torchrun", f"backend.store_port={port}",
-         *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    nodes = []
-    try:
-        _wait_for_port(port, coordinator)
-        for node in range(2):  # the README's command, once per node
-            with open(tmp_path / f"node{node}.log", "w") as out:
-                nodes.append(subprocess.Popen(
-                    [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-                     "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test",
-                     "-m", "ftbench.distributed", "--store", f"127.0.0.1:{port}", *overrides, "--run-dir", str(run_dir)],
-                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
-        output, _ = coordinator.communicate(timeout=240)
-    finally:
-        for process in [coordinator, *nodes]:
-            if process.poll() is None:
-                process.kill()
+    # the README's command, once per node
+    output, nodes, run_dir, marker = _torchrun_job(tmp_path, overrides, 2, ["--nnodes=2"], timeout=240)
     # The dead node's torchrun reports its workers' SIGKILL; the survivor's finishes.
     assert nodes[1].wait(timeout=60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
     nodes[0].wait(timeout=60)
@@ -80,35 +56,11 @@ def test_torchrun_restarts_the_processes_for_a_checkpoint_restart(tmp_path):
     docs/distributed.md gives the command: node 1 dies (its agent with it), the standby node
     takes its workers, and the restart ends every process; the agents of the nodes still up
     start new ones (torchrun's own restart), which keep their ranks and go on from the journal."""
-    from ftbench.distributed.launch import free_port
-
-    port = free_port()
-    marker = uuid.uuid4().hex
-    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1",
-               FTBENCH_TEST_MARKER=marker)
     overrides = [*SETUP[:4], "cluster.spares=1", *SETUP[5:], "strategy=checkpoint", "strategy.every=2",
                  "failures.events=[{iteration:3,node:1}]"]
-    run_dir = tmp_path / "run"
-    coordinator = subprocess.Popen(
-        [sys.executable, "-m", "ftbench", "backend=dist", "backend.launcher=torchrun", f"backend.store_port={port}",
-         *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    nodes = []
-    try:
-        _wait_for_port(port, coordinator)
-        for node in range(3):  # 2 nodes and the standby
-            with open(tmp_path / f"node{node}.log", "w") as out:
-                nodes.append(subprocess.Popen(
-                    [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:3", "--nproc-per-node=2",
-                     "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                     "--rdzv-id=test", "--rdzv-conf=last_call_timeout=5", "-m", "ftbench.distributed",
-                     "--store", f"127.0.0.1:{port}", *overrides, "--run-dir", str(run_dir)],
-                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
-        output, _ = coordinator.communicate(timeout=300)
-    finally:
-        for process in [coordinator, *nodes]:
-            if process.poll() is None:
-                process.kill()
+    # 2 nodes and the standby
+    output, nodes, run_dir, marker = _torchrun_job(
+        tmp_path, overrides, 3, ["--nnodes=1:3", "--max-restarts=1", "--rdzv-conf=last_call_timeout=5"], timeout=300)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok", (summary.get("error"), output[-3000:],
                                        [(tmp_path / f"node{n}.log").read_text()[-2000:] for n in range(3)])
@@ -120,6 +72,40 @@ def test_torchrun_restarts_the_processes_for_a_checkpoint_restart(tmp_path):
     for node in (0, 2):  # the survivors' torchrun ends well once the job is done
         assert nodes[node].wait(timeout=60) == 0, (tmp_path / f"node{node}.log").read_text()[-3000:]
     assert_none_left(f"FTBENCH_TEST_MARKER={marker}")
+
+
+def _torchrun_job(tmp_path, overrides, nodes: int, flags: list[str], timeout: float):
+    """The coordinator (`ftbench backend=dist backend.launcher=torchrun`) and `nodes` torchrun
+    agents on loopback with `flags`, as docs/distributed.md gives the commands; (the
+    coordinator's output, the agents' processes, the run folder, the test marker). Every
+    process still running at the end is killed."""
+    from ftbench.distributed.launch import free_port
+
+    port = free_port()
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1",
+               FTBENCH_TEST_MARKER=marker)
+    run_dir = tmp_path / "run"
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "ftbench", "backend=dist", "backend.launcher=torchrun", f"backend.store_port={port}",
+         *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    agents = []
+    try:
+        _wait_for_port(port, coordinator)
+        for node in range(nodes):
+            with open(tmp_path / f"node{node}.log", "w") as out:
+                agents.append(subprocess.Popen(
+                    [sys.executable, "-m", "torch.distributed.run", *flags, "--nproc-per-node=2",
+                     "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test",
+                     "-m", "ftbench.distributed", "--store", f"127.0.0.1:{port}", *overrides, "--run-dir", str(run_dir)],
+                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+        output, _ = coordinator.communicate(timeout=timeout)
+    finally:
+        for process in [coordinator, *agents]:
+            if process.poll() is None:
+                process.kill()
+    return output, agents, run_dir, marker
 
 
 def _wait_for_port(port: int, coordinator, within_s: float = 60) -> None:
