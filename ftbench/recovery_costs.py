@@ -32,7 +32,7 @@ def _stage_bytes(plan: Plan, pipeline: int, stage: int, cost_model) -> float:
     return CHECKPOINT_BYTES_PER_PARAM * cost_model.stage(layers, stage == 0, plan.is_last_stage(pipeline, stage)).params
 
 
-def _replica_bytes(plan: Plan, cost_model) -> dict[int, float]:
+def replica_bytes(plan: Plan, cost_model) -> dict[int, float]:
     """Checkpointed bytes each worker holds: computed once per plan (several recovery costs
     of one plan read it, and on a 16,384-GPU grid one walk over the workers is noticeable)."""
     memo = plan.__dict__.setdefault("_replica_bytes_memo", {})
@@ -55,8 +55,8 @@ def _replica_bytes(plan: Plan, cost_model) -> dict[int, float]:
     return memo[key]
 
 
-def _grid_replica_bytes(plan: Plan, cost_model) -> list[float] | None:
-    """On a grid (Plan.grid), the bytes a worker of each stage holds, as _replica_bytes has
+def grid_replica_bytes(plan: Plan, cost_model) -> list[float] | None:
+    """On a grid (Plan.grid), the bytes a worker of each stage holds, as replica_bytes has
     them (one replica, added to 0.0); None for other plans. Every pipeline cuts the layers
     alike, so a worker's bytes depend only on its stage: pp figures instead of one per worker."""
     grid = plan.grid()
@@ -65,10 +65,10 @@ def _grid_replica_bytes(plan: Plan, cost_model) -> list[float] | None:
     return [0.0 + _stage_bytes(plan, 0, stage, cost_model) for stage in range(grid.pp)]
 
 
-def _most_replica_bytes(plan: Plan, cost_model) -> float:
-    """max(_replica_bytes(plan).values()): on a grid, the largest stage's (every stage is held)."""
-    per_stage = _grid_replica_bytes(plan, cost_model)
-    return max(per_stage) if per_stage is not None else max(_replica_bytes(plan, cost_model).values())
+def most_replica_bytes(plan: Plan, cost_model) -> float:
+    """max(replica_bytes(plan).values()): on a grid, the largest stage's (every stage is held)."""
+    per_stage = grid_replica_bytes(plan, cost_model)
+    return max(per_stage) if per_stage is not None else max(replica_bytes(plan, cost_model).values())
 
 
 def _writer_node_bytes(plan: Plan, cost_model) -> dict[int, float]:
@@ -97,9 +97,9 @@ def _write_s(plan: Plan, cost_model) -> float:
 
 
 def _node_bytes(plan: Plan, cost_model) -> dict[int, float]:
-    per_stage = _grid_replica_bytes(plan, cost_model)
+    per_stage = grid_replica_bytes(plan, cost_model)
     if per_stage is None:
-        pairs = ((plan.node_of[w], nbytes) for w, nbytes in _replica_bytes(plan, cost_model).items())
+        pairs = ((plan.node_of[w], nbytes) for w, nbytes in replica_bytes(plan, cost_model).items())
     else:  # the same additions in the same order, each worker's bytes taken per stage
         pairs = zip(map(plan.node_of.__getitem__, plan.grid().workers), cycle(per_stage))
     out = defaultdict(float)
@@ -111,7 +111,7 @@ def _node_bytes(plan: Plan, cost_model) -> dict[int, float]:
 def _most_node_bytes(plan: Plan, cost_model) -> float:
     """max(_node_bytes(plan).values()): on a grid with one worker per node, each node's sum
     is its worker's stage bytes added to 0.0, so the largest stage's (all are held)."""
-    per_stage = _grid_replica_bytes(plan, cost_model)
+    per_stage = grid_replica_bytes(plan, cost_model)
     if per_stage is not None:
         grid = plan.grid()
         if len(set(grid.node_list(plan.node_of))) == len(grid.workers):
@@ -127,10 +127,10 @@ def save_cost(mode: str, plan: Plan, cost_model, save_s: float | None = None) ->
     if mode == FILE:
         return SaveCost(_write_s(plan, cost_model) if save_s is None else save_s, 0.0)
     if mode == SNAPSHOT:
-        copy = _most_replica_bytes(plan, cost_model) / (hw.host_gbps * 1e9) if save_s is None else save_s
+        copy = most_replica_bytes(plan, cost_model) / (hw.host_gbps * 1e9) if save_s is None else save_s
         return SaveCost(copy, _write_s(plan, cost_model))
     if mode == MEMORY:  # every worker copies its own state
-        copy = _most_replica_bytes(plan, cost_model) / (hw.host_gbps * 1e9) if save_s is None else save_s
+        copy = most_replica_bytes(plan, cost_model) / (hw.host_gbps * 1e9) if save_s is None else save_s
         return SaveCost(copy, 0.0)
     raise ValueError(f"unknown checkpoint mode {mode!r}")
 
@@ -151,7 +151,7 @@ def action_seconds(action, old: Plan, new: Plan, cost_model, save_s: float | Non
     if isinstance(action, RestoreCheckpoint):
         if action.source == MEMORY:
             # Each worker copies its commit back; one taking a new place gets a peer's commit.
-            seconds = _most_replica_bytes(new, cost_model) / (hw.host_gbps * 1e9)
+            seconds = most_replica_bytes(new, cost_model) / (hw.host_gbps * 1e9)
             return seconds + _copies_s(action.copies, old, new, cost_model)
         return _most_node_bytes(new, cost_model) / (hw.storage_gbps * 1e9)
     if isinstance(action, SyncFromPeers):

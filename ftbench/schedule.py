@@ -112,7 +112,7 @@ def identity(n: int) -> tuple[int, ...]:
 _IDENTITY: dict[int, tuple[int, ...]] = {}
 
 
-def _bound(template, flows: PartFlows) -> list:
+def bound_flows(template, flows: PartFlows) -> list:
     pipes, mbs = flows
     return [_op((k, s, j if j == NO_MICROBATCH else mbs[p][j], pipes[p])) for k, s, j, p in template]
 
@@ -155,7 +155,7 @@ class GridOps(MutableMapping):
         tid, d = self.of[w]
         if type(d) is int:
             return [_op((k, s, m, d)) for k, s, m in self.templates[tid]]
-        return _bound(self.templates[tid], d)
+        return bound_flows(self.templates[tid], d)
 
     def __setitem__(self, w: int, ops: list[Op]) -> None:
         self._lists[w] = ops

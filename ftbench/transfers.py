@@ -206,7 +206,7 @@ def layer_copies(old: Plan, new: Plan, alive, cost_model) -> tuple[tuple[Transfe
     for w in sorted(new.holds):
         for d, s in new.holds[w]:
             want = stage_units(new.layers(d, s), s == 0, new.is_last_stage(d, s), n)
-            for a, b in _subtract(want, held.get(w, ())):
+            for a, b in subtract_runs(want, held.get(w, ())):
                 u = a
                 while u < b:
                     sources = holders_at.get(u)
@@ -218,12 +218,12 @@ def layer_copies(old: Plan, new: Plan, alive, cost_model) -> tuple[tuple[Transfe
                     end = min(hi, b)
                     nbytes = CHECKPOINT_BYTES_PER_PARAM * cost_model.unit_params((u, end))
                     sent[src] += nbytes
-                    copies.append(_piece((u, end), n, src, w, nbytes))
+                    copies.append(piece((u, end), n, src, w, nbytes))
                     u = end
     return tuple(copies), orphaned
 
 
-def _subtract(units: tuple[int, int], have) -> list[tuple[int, int]]:
+def subtract_runs(units: tuple[int, int], have) -> list[tuple[int, int]]:
     """The runs of `units` outside every range in `have`."""
     runs = [units]
     for lo, hi in have:
@@ -262,7 +262,7 @@ def _busiest_link(nodes: list[int], sizes: list[float]) -> float | None:
     return most
 
 
-def _piece(units: tuple[int, int], n_layers: int, src: int, dst: int, nbytes: float) -> Transfer:
+def piece(units: tuple[int, int], n_layers: int, src: int, dst: int, nbytes: float) -> Transfer:
     """A Transfer of the units [lo, hi): unit 0 the embeddings, 1..L the blocks, L+1 the head."""
     lo, hi = units
     return Transfer((max(lo, 1) - 1, min(hi, n_layers + 1) - 1), lo == 0, hi == n_layers + 2, src, dst, nbytes)

@@ -28,9 +28,9 @@ class CheckFreq(CheckpointRestart):
 
     def extra_memory(self, plan) -> tuple[None, float]:
         """CheckFreq's snapshot: a copy of the writer's stage in host memory until it is persisted."""
-        from ftbench.recovery_costs import _most_replica_bytes
+        from ftbench.recovery_costs import most_replica_bytes
 
-        return None, _most_replica_bytes(plan, self.ctx.cost_model)
+        return None, most_replica_bytes(plan, self.ctx.cost_model)
 
     def checkpoint_interval(self, iteration_s: float, stall_s: float, persist_s: float) -> int:
         if self.every is not None:

@@ -18,7 +18,7 @@ from ftbench.actions import MEMORY, Rendezvous, RestoreCheckpoint, SyncFromPeers
 from ftbench.cluster import Cluster
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
-from ftbench.recovery_costs import _most_replica_bytes
+from ftbench.recovery_costs import most_replica_bytes
 from ftbench.transfers import peer_copies
 from ftbench.strategies.base import Recovery
 from ftbench.strategies.checkpoint import CheckpointRestart
@@ -71,7 +71,7 @@ class ElasticHorovod(CheckpointRestart):
 
     def extra_memory(self, plan: Plan) -> tuple[None, float]:
         """Elastic Horovod's commit: a copy of each worker's state in host memory (the sim's report)."""
-        return None, _most_replica_bytes(plan, self.ctx.cost_model)
+        return None, most_replica_bytes(plan, self.ctx.cost_model)
 
     def _held_stages(self, up: set[int], pp: int) -> set[int]:
         """Stages some live worker of the current plan holds (looking no further once all pp are)."""

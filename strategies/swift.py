@@ -32,7 +32,7 @@ from ftbench.failures import FailureEvent
 from ftbench.folders import relative_setting
 from ftbench.plan import Plan
 from ftbench.planning.swift import SelectiveLogging
-from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM, _replica_bytes
+from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM, replica_bytes
 from ftbench.strategies.base import Recovery
 from ftbench.strategies.checkpoint import CheckpointRestart
 
@@ -141,7 +141,7 @@ class Swift(CheckpointRestart):
         iteration's log on the sender until it is written (its logged sends: every
         micro-batch's boundary tensor, each way it sends one)."""
         per_param = UNDO_BYTES_PER_PARAM / CHECKPOINT_BYTES_PER_PARAM
-        device = {w: b * per_param for w, b in _replica_bytes(plan, self.ctx.cost_model).items()}
+        device = {w: b * per_param for w, b in replica_bytes(plan, self.ctx.cost_model).items()}
         boundary = self.ctx.cost_model.spec.boundary_bytes(self.ctx.microbatch_size, self.ctx.seq_len)
         sends = max((sum((d, s) in plan.logged for d, s in held) + sum((d, s - 1) in plan.logged for d, s in held), m)
                     for held, m in ((held, plan.schedule.microbatches[held[0][0]]) for held in plan.holds.values()))

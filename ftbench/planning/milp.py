@@ -400,7 +400,7 @@ class _Model:
         """(status or None when CBC found no solution, objective, CBC's bound), in seconds."""
         with tempfile.TemporaryDirectory() as tmp:
             log = os.path.join(tmp, "cbc.log")
-            self.m.solve(_cbc(time_limit_s, log))
+            self.m.solve(cbc_solver(time_limit_s, log))
             with open(log) as f:
                 text = f.read()
         if self.m.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) or self.C.value() is None:
@@ -447,7 +447,7 @@ def variable(problem, name: str, low, high, cat: str = pulp.LpContinuous) -> pul
     return pulp.LpVariable(name, low, high, cat=cat)
 
 
-def _cbc(time_limit_s: float, log_path: str | None):
+def cbc_solver(time_limit_s: float, log_path: str | None):
     # pulp 3 deprecates PULP_CBC_CMD; its bundled binary is the same CBC run through COIN_CMD.
     path = getattr(pulp.PULP_CBC_CMD, "pulp_cbc_path", None)
     if path is None or not os.path.exists(path):

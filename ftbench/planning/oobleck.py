@@ -54,7 +54,7 @@ from operator import add, and_, eq, gt, not_
 from ftbench.costs import ADAM_STATE_BYTES_PER_PARAM
 from ftbench.layers import stage_units
 from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM
-from ftbench.transfers import _piece, _subtract
+from ftbench.transfers import piece, subtract_runs
 
 STAGE_PER = ("gpu", "node")  # strategy.stage_per
 MILP_MAX_PIPELINES = 24  # larger batch splits use the greedy fill (equal optimum, no solver)
@@ -308,7 +308,7 @@ def split_milp(templates: list[Template], microbatches: int) -> tuple[int, ...]:
     pipelines of one template get non-increasing counts (the same pipeline, renamed)."""
     import pulp
 
-    from ftbench.planning.milp import _cbc, variable
+    from ftbench.planning.milp import cbc_solver, variable
 
     problem = pulp.LpProblem("oobleck_batch", pulp.LpMinimize)
     z = variable(problem, "slowest", 0, None)
@@ -321,7 +321,7 @@ def split_milp(templates: list[Template], microbatches: int) -> tuple[int, ...]:
     for p in range(1, len(templates)):
         if templates[p] == templates[p - 1]:
             problem += b[p - 1] >= b[p]
-    status = problem.solve(_cbc(MILP_TIME_LIMIT_S, None))
+    status = problem.solve(cbc_solver(MILP_TIME_LIMIT_S, None))
     if pulp.LpStatus[status] != "Optimal":
         return split_greedy(templates, microbatches)
     counts = [int(round(v.value())) for v in b]
@@ -616,7 +616,7 @@ def pipelines_layer_copies(old, new, alive_nodes, cost_model):
                 end = min(hi, b)
                 nbytes = CHECKPOINT_BYTES_PER_PARAM * cost_model.unit_params((u, end))
                 sent[src] = sent.get(src, 0.0) + nbytes
-                copies.append(_piece((u, end), n, src, w, nbytes))
+                copies.append(piece((u, end), n, src, w, nbytes))
                 u = end
     return tuple(copies), orphaned
 
@@ -641,7 +641,7 @@ def _lacking(old, new, was, now, n: int):
             want = stage_units(cut[s], s == 0, s == len(cut) - 1, n)
             have = [stage_units(old.partition[e][t], t == 0, t == old_stages[e] - 1, n)
                     for e, t in old_holds.get(w, ())]
-            runs = _subtract(want, have)
+            runs = subtract_runs(want, have)
             if runs:
                 yield w, runs
 

@@ -25,7 +25,7 @@ from collections import OrderedDict, defaultdict
 
 from ftbench.costs import PlanCosts
 from ftbench.plan import Plan
-from ftbench.schedule import OPT, GridOps, PartFlows, Schedule, _bound, identity
+from ftbench.schedule import OPT, GridOps, PartFlows, Schedule, bound_flows, identity
 from ftbench.sim.grid import PEAKS, ComposedResult
 from ftbench.sim.parts import keyed_parts
 from ftbench.sim.simulator import STAGGER_ROUNDS, SimResult, Simulation, simulate
@@ -106,7 +106,7 @@ class _Classes:
             shape = tuple(templates[of[w][0]] for w in workers)
             releases = None
             if released is not None:
-                releases = tuple(tuple(map(released.of, [w] * len(t), _bound(t, flows))) for w, t in zip(workers, shape))
+                releases = tuple(tuple(map(released.of, [w] * len(t), bound_flows(t, flows))) for w, t in zip(workers, shape))
             parts.append((shape, pattern, tuple(map(len, flows.microbatches)), releases))
         period = released.period if released is not None else None
         return (tuple(parts), plan.partition[0], self.pp, plan.staggered_optimizer, period)
@@ -143,7 +143,7 @@ class _Compiled:
                 steps = [(op[3], op[1]) for op in template if op[0] == OPT]
                 holds[w] = ((flows.pipelines[steps[0][0]], steps[0][1]),)
                 if releases is not None:
-                    table.update(((w, op), at) for op, at in zip(_bound(template, flows), releases[k]) if at is not None)
+                    table.update(((w, op), at) for op, at in zip(bound_flows(template, flows), releases[k]) if at is not None)
                 records.append((w, tid))
             self.workers.append(tuple(w for w, _ in records))
             members.append((flows, records))
