@@ -61,7 +61,7 @@ def test_dist_chaos_settings_are_refused_on_other_backends(tmp_path, backend, ov
 
 
 def test_kill_points():
-    from ftbench.distributed.launch import parse_kill
+    from ftbench.distributed.faults import parse_kill
 
     assert parse_kill("3:2:10") == (3, 2, 10)
     assert parse_kill("3:2:save") == (3, 2, "save")
@@ -70,7 +70,7 @@ def test_kill_points():
 
 
 def test_stall_points():
-    from ftbench.distributed.launch import parse_stall
+    from ftbench.distributed.faults import parse_stall
 
     assert parse_stall("0:3:12") == (0, 3, 12.0) and parse_stall("2:1:0.5") == (2, 1, 0.5)
     assert parse_stall("0:3:0") is None and parse_stall("0:3") is None and parse_stall("a:3:1") is None

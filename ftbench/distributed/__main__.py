@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     if not any(a.startswith("backend=") for a in args):
         args.append("backend=dist")
     from ftbench.cli import EXIT_CODES, compose
-    from ftbench.distributed.launch import IN_JOB_ENV, check_config, job_of
+    from ftbench.distributed.launch import check_config, job_of
+    from ftbench.distributed.protocol import IN_JOB_ENV
     from ftbench.distributed.worker import env_ranks, report_errors, train
     from ftbench.errors import UserError
 
@@ -82,6 +83,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ftbench.distributed.worker import exit_now
+    from ftbench.distributed.protocol import exit_now
 
     exit_now(main())  # not through torch's teardown: see exit_now

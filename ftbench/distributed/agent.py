@@ -8,7 +8,7 @@ carry on, as with one `torchrun` per node on a cluster. The agents meet through 
 rendezvous in the store the launcher hosts (so no node's death takes the store with it), and
 the short exit barrier keeps the survivors from waiting for agents that died.
 
-The leader posts its results in that store (ftbench.distributed.worker.RESULT_KEY).
+The leader posts its results in that store (ftbench.distributed.protocol.RESULT_KEY).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     job_path, node, nodes, gpus, endpoint, run_id, incarnation = argv
     node, nodes, gpus = int(node), int(nodes), int(gpus)
     job = pickle.loads(Path(job_path).read_bytes())
-    from ftbench.distributed.worker import NODE_ENV
+    from ftbench.distributed.protocol import NODE_ENV
 
     os.environ[NODE_ENV] = str(node)  # its processes' ranks follow from it (worker.env_ranks), after restarts too
     from torch.distributed.elastic.agent.server.api import WorkerSpec

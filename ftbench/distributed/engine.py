@@ -21,13 +21,14 @@ strategies' recovery actions performed between processes. It holds no strategy l
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import torch
 
 from ftbench.actions import FILE, MEMORY, SNAPSHOT
+from ftbench.distributed.faults import die, dies_among_ops, dies_in_recovery, dies_in_save, stall_here
 from ftbench.distributed.membership import log
+from ftbench.distributed.protocol import LATEST, RESTART_EXIT, exit_now
 from ftbench.distributed.transport import (DistAbort, DistError, DistTransport, UnannouncedDeath, WaitFailed,
                                            describe_error, plan_crc)
 from ftbench.engine.boundary_log import LoggingTransport, ReplayTransport, unusable_replay
@@ -194,11 +195,10 @@ class DistEngine:
             executor = WorkerExecutor(self.worker, transport, plan, tokens, normaliser, **extra)
             timer = self.op_timer.begin(plan, iteration) if completed is None else None
             self._commit_steps()  # nothing recorded reaches back into an earlier iteration
-            dies_after = self.kill[2] if self.kill and self.kill[:2] == (self.rank, iteration) and completed is None \
-                and isinstance(self.kill[2], int) else None
+            dies_after = dies_among_ops(self.kill, self.rank, iteration) if completed is None else None
             for done, step in enumerate(steps):
                 if done == dies_after:
-                    _die("backend.kill: unannounced, among its ops (the run loop was not told)")
+                    die("backend.kill: unannounced, among its ops (the run loop was not told)")
                 if step[0] == "start":
                     executor.reduce_start(step[1], members[step[1]])
                     continue
@@ -212,7 +212,7 @@ class DistEngine:
                 if share is not None:
                     vector[slots[op]] = share
             if dies_after is not None:
-                _die("backend.kill: unannounced, past this worker's last op of the iteration")
+                die("backend.kill: unannounced, past this worker's last op of the iteration")
             for sync in late:
                 executor.reduce_wait(sync, members[sync])
             self.transport.flush_sends()
@@ -564,23 +564,6 @@ class DistEngine:
         return state
 
 
-def _die(why: str) -> None:
-    """This process dies here, as a crashed machine's would (SIGKILL: nothing runs after). Under
-    the user's torchrun its node's agent dies with it, as on a dead machine: an agent that can
-    restart its processes (--max-restarts) must not bring a dead node's back."""
-    from ftbench.distributed.launch import IN_JOB_ENV
-
-    log.info("dies: %s", why)
-    for handler in log.handlers:
-        handler.flush()
-    if os.environ.get(IN_JOB_ENV) and os.environ.get("TORCHELASTIC_RUN_ID"):
-        try:
-            os.kill(os.getppid(), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _death(store, dead) -> float:
     """When the first of `dead` died: its last heartbeat (wall clock)."""
     from ftbench.distributed.membership import last_beat_s
@@ -713,7 +696,7 @@ class DistBackend:
         if completed:
             engine.run_iteration(plan, iteration, completed=completed)
         if t.rank in victims:
-            _die("its node fails here (the failure script): every process of it")
+            die("its node fails here (the failure script): every process of it")
         undone = engine.abandon_iteration()  # survivors that stepped go back to the iteration's start
         try:
             dead, _ = detect(self.store, t.alive, t.timeout_s)
@@ -724,7 +707,7 @@ class DistBackend:
             survivors = [r for r in t.alive if r not in dead]
             agree(self.store, t.epoch + 1, t.rank, survivors, dead, t.timeout_s)
         except Fenced as err:
-            _die(str(err))
+            die(str(err))
         except MembershipError as err:
             raise DistError(f"rank {t.rank}: {err}") from None
         agreed = time.time()
@@ -799,7 +782,7 @@ class DistBackend:
         death = _death(self.store, dead)  # the first death: the rest of its node may die later
         victims = {r for r, n in self.node_of_rank.items() if n in nodes and r in t.alive}
         if t.rank in victims:
-            _die("a process of its node died: the node fails whole")
+            die("a process of its node died: the node fails whole")
         try:
             while victims - dead:  # the rest of those nodes stops once it notices too
                 more, _ = detect(self.store, sorted(victims - dead), 2 * t.timeout_s)
@@ -808,7 +791,7 @@ class DistBackend:
             survivors = [r for r in t.alive if r not in victims]
             agree(self.store, t.epoch + 1, t.rank, survivors, victims, 3 * t.timeout_s)
         except Fenced as error:
-            _die(str(error))
+            die(str(error))
         except MembershipError as error:
             raise DistError(f"rank {t.rank}: {error}") from None
         agreed = time.time()
@@ -833,10 +816,7 @@ class DistBackend:
         has it for a failure that falls during a recovery."""
         log.info("recovery at iteration %d: %s onto plan %s (crc %08x)", iteration,
                  [type(a).__name__ for a in actions], new.name, plan_crc(new))
-        if self.stall and self.stall[:2] == (self.engine.rank, iteration):
-            self.stall, seconds = None, self.stall[2]  # once: a straggler, beating all along
-            log.info("pauses %g s (backend.stall)", seconds)
-            time.sleep(seconds)
+        self.stall = stall_here(self.stall, self.engine.rank, iteration)  # once: a straggler, beating all along
         if self.store is None or not self.recover or not actions:
             return self._perform(actions, old, new, iteration, {}, self._pending)
         return self._perform_again_if_interrupted(actions, old, new, iteration)
@@ -896,7 +876,7 @@ class DistBackend:
         # replacements and returning nodes alike; not the nodes that died in this recovery (the
         # strategy decides about them next)
         self._place(new, skip=set(_lost_nodes(lost)))
-        dies = self._dies_in_recovery(iteration)
+        dies = dies_in_recovery(self.engine.kill, self.engine.rank, iteration)
         for index, action in enumerate(actions):
             if index < first:
                 continue  # done before the processes restarted
@@ -904,7 +884,7 @@ class DistBackend:
             if isinstance(action, (WaitForReplacement, Rendezvous)) and lost:
                 continue  # waited for, or agreed, in the interrupted attempt
             if dies and not isinstance(action, (WaitForReplacement, Rendezvous, UndoSteps)):
-                _die("backend.kill=RANK:ITERATION:recovery, as the recovery moves state")
+                die("backend.kill=RANK:ITERATION:recovery, as the recovery moves state")
             if isinstance(action, WaitForReplacement):
                 if self.realtime and action.seconds:
                     time.sleep(action.seconds)
@@ -944,7 +924,7 @@ class DistBackend:
                 raise TypeError(f"the dist backend cannot perform {action!r}")
             phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
         if dies:
-            _die("backend.kill=RANK:ITERATION:recovery, at the end (no action moved state)")
+            die("backend.kill=RANK:ITERATION:recovery, at the end (no action moved state)")
         engine.adopt(new)
         if actions:  # every live rank completed it, or none goes on (a death meanwhile interrupts it)
             engine.transport.all_sum(torch.zeros(1, dtype=torch.float64, device=engine.device),
@@ -965,8 +945,6 @@ class DistBackend:
         ends (RESTART_EXIT) and the launcher starts new ones on the nodes still up, which go on
         from the journal (ftbench.journal). A death before the journal is complete interrupts
         the recovery as any death during one does."""
-        from ftbench.distributed.worker import RESTART_EXIT, exit_now
-
         folder, journal = self.relaunch
         engine, t = self.engine, self.engine.transport
         begun = time.time()
@@ -983,8 +961,6 @@ class DistBackend:
             path = journal.write(folder / f"journal-{self.restarts + 1}", {"call": "perform", "action": action,
                                                                             "state": state, "call_state": call_state})
             if self.store is not None:  # where processes that torchrun starts again find it
-                from ftbench.distributed.torchrun_restarts import LATEST
-
                 self.store.set(LATEST, str(path))
         t.all_sum(torch.zeros(1, dtype=torch.float64, device=engine.device),
                   f"wait for the restart journal of iteration {iteration}")
@@ -1055,8 +1031,8 @@ class DistBackend:
         found as in an iteration (FailuresDiscovered), with nothing to roll back: the
         iteration before the checkpoint is complete, and a checkpoint left unfinished does
         not verify, so no restore takes it."""
-        if self._dies_in_save(iteration):
-            _die("backend.kill=RANK:ITERATION:save")
+        if dies_in_save(self.engine.kill, self.engine.rank, iteration):
+            die("backend.kill=RANK:ITERATION:save")
         try:
             return self._save(plan, iteration, mode)
         except (DistError, RuntimeError) as err:
@@ -1064,21 +1040,6 @@ class DistBackend:
                 raise
             self._unannounced(err, plan, iteration, roll_back=False)  # raises FailuresDiscovered, or the error
             raise
-
-    def _dies_in_recovery(self, iteration: int) -> bool:
-        """backend.kill=RANK:K:recovery names this rank and the recovery performed at iteration
-        K: it dies as the first action that moves or loads state starts (else at the end)."""
-        from ftbench.distributed.launch import RECOVERY
-
-        kill = self.engine.kill
-        return bool(kill) and kill[2] == RECOVERY and (kill[0], kill[1]) == (self.engine.rank, iteration)
-
-    def _dies_in_save(self, iteration: int) -> bool:
-        """backend.kill=RANK:K:save names this rank and the checkpoint after iteration K."""
-        from ftbench.distributed.launch import SAVE
-
-        kill = self.engine.kill
-        return bool(kill) and kill[2] == SAVE and (kill[0], kill[1] + 1) == (self.engine.rank, iteration)
 
     def _save(self, plan, iteration: int, mode: str) -> SaveCost:
         engine = self.engine

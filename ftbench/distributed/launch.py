@@ -24,10 +24,12 @@ import time
 import uuid
 from pathlib import Path
 
+from ftbench.distributed.faults import check_settings
+from ftbench.distributed.protocol import (IN_JOB_ENV, LATEST, RESTARTS_ENV, RESULT_KEY, RESUME_ENV, WORLD_ENV, job_nodes,
+                                          per_node)
 from ftbench.errors import ConfigError
 from ftbench.folders import inside
 
-IN_JOB_ENV = "FTBENCH_DIST_IN_JOB"  # set by `python -m ftbench.distributed`: this process is a rank of a torchrun job
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the elastic launcher installs handlers for these
 STOPPED = ("SignalException", "KeyboardInterrupt", "SystemExit")  # a rank stopped from outside: no bug of its own
 
@@ -69,32 +71,7 @@ def check_config(cfg, strategy, clock: str) -> None:
     mode = cfg.backend.get("unannounced", "recover")
     if mode not in UNANNOUNCED:
         raise ConfigError("backend.unannounced", f"unknown mode '{mode}'", f"choose one of {', '.join(UNANNOUNCED)}")
-    kill = cfg.backend.get("kill")
-    if kill is not None:
-        parsed = parse_kill(kill)
-        if parsed is None:
-            raise ConfigError("backend.kill", f"'{kill}' is not RANK:ITERATION:OPS, RANK:ITERATION:save or "
-                              "RANK:ITERATION:recovery",
-                              "give three whole numbers, e.g. backend.kill=3:2:10 (rank 3 dies after 10 ops of "
-                              "iteration 2), or backend.kill=3:2:save (rank 3 dies in the checkpoint after "
-                              "iteration 2), or backend.kill=3:2:recovery (rank 3 dies in the recovery from a "
-                              "failure in iteration 2)")
-        if parsed[1] >= cfg.train.iterations:
-            raise ConfigError("backend.kill", f"iteration {parsed[1]} is past the run's {cfg.train.iterations} "
-                              "iterations", "pick an iteration the run reaches")
-        _check_kill_fires(cfg, strategy, *parsed)
-    stall = cfg.backend.get("stall")
-    if stall is not None:
-        parsed = parse_stall(stall)
-        if parsed is None:
-            raise ConfigError("backend.stall", f"'{stall}' is not RANK:ITERATION:SECONDS",
-                              "give two whole numbers and a positive number of seconds, e.g. backend.stall=0:3:12 "
-                              "(rank 0 pauses 12 s as the recovery performed at iteration 3 starts)")
-        if parsed[1] >= cfg.train.iterations:
-            raise ConfigError("backend.stall", f"iteration {parsed[1]} is past the run's {cfg.train.iterations} "
-                              "iterations", "pick an iteration the run reaches")
-        _check_rank(cfg, "backend.stall", parsed[0])
-        _check_recovery_at(cfg, "backend.stall", parsed[1])
+    check_settings(cfg, strategy)  # backend.kill and backend.stall
     d = cfg.backend.get("deadline_s")
     if d is not None and not d > 0:
         raise ConfigError("backend.deadline_s", f"must be a positive number of seconds or null, got {d}",
@@ -116,111 +93,8 @@ def refuse_dist_settings(cfg) -> None:
                               f"drop backend.{setting}, or use backend=dist")
 
 
-def _check_kill_fires(cfg, strategy, rank: int, iteration: int, where) -> None:
-    """backend.kill names a rank of the job and a point the run reaches: a death that can never
-    strike is refused, not silently skipped."""
-    _check_rank(cfg, "backend.kill", rank)
-    if where == RECOVERY:
-        _check_recovery_at(cfg, "backend.kill", iteration)
-    elif where == SAVE:
-        _check_checkpoint_after(cfg, strategy, iteration)
-
-
-def _check_rank(cfg, setting: str, rank: int) -> None:
-    from ftbench.cluster import Cluster
-
-    cluster = Cluster.from_config(cfg.cluster)
-    nodes = job_nodes(cfg, cluster)
-    ranks = nodes * cluster.gpus_per_node
-    if rank >= ranks:
-        raise ConfigError(setting, f"rank {rank} does not exist: the job has {ranks} processes (ranks 0..{ranks - 1}: "
-                          f"{nodes} nodes, {cluster.gpus_per_node} per node, standbys and joining nodes included)",
-                          f"name a rank below {ranks}")
-
-
-def _check_recovery_at(cfg, setting: str, iteration: int) -> None:
-    """A recovery is performed at `iteration` only where the failure script has an event then
-    (with times rather than iterations, it may be anywhere)."""
-    events = list(cfg.failures.events or ()) if cfg.failures.kind == "scripted" else []
-    if any(e.get("iteration") is None for e in events):
-        return
-    at = sorted({int(e["iteration"]) for e in events})
-    if iteration not in at:
-        raise ConfigError(setting, f"no recovery is performed at iteration {iteration}: the failure script has "
-                          + (f"events at iterations {at}" if at else "no event"),
-                          "pick the iteration of a scripted failure or join")
-
-
-def _check_checkpoint_after(cfg, strategy, iteration: int) -> None:
-    """A checkpoint follows iteration K when the strategy writes one every `every` iterations
-    and K + 1 is a multiple of it (none after the run's last iteration). A tuned interval, or
-    a strategy that also saves after each recovery (varuna), may save anywhere."""
-    name = cfg.strategy.name
-    if getattr(strategy, "checkpoint_mode", None) is None:
-        raise ConfigError("backend.kill", f"strategy {name} writes no checkpoint, so the death in the checkpoint "
-                          f"after iteration {iteration} never strikes", "kill among the ops (RANK:ITERATION:OPS), "
-                          "or pick a strategy that checkpoints")
-    every = getattr(strategy, "every", None)
-    if every is None or getattr(strategy, "checkpoint_after_change", False):
-        return
-    saves = list(range(every - 1, cfg.train.iterations - 1, every))
-    if iteration not in saves:
-        raise ConfigError("backend.kill", f"no checkpoint follows iteration {iteration}: strategy {name} saves "
-                          f"every {every} iterations, after iterations {saves or 'none of this run'}",
-                          "pick one of those iterations")
-
-
 UNANNOUNCED = ("recover", "stop")  # backend.unannounced
 LAUNCHERS = ("self", "torchrun")  # backend.launcher
-
-
-SAVE = "save"  # backend.kill=RANK:ITERATION:save: the death strikes in the checkpoint after ITERATION
-RECOVERY = "recovery"  # backend.kill=RANK:ITERATION:recovery: in the recovery performed at ITERATION
-
-
-def parse_kill(text) -> tuple[int, int, int | str] | None:
-    """backend.kill "RANK:ITERATION:OPS" -> (rank, iteration, ops), "RANK:ITERATION:save" or
-    "RANK:ITERATION:recovery" -> (rank, iteration, that word); None if malformed."""
-    parts = [p.strip() for p in str(text).split(":")]
-    if len(parts) != 3 or not all(p.isdigit() for p in parts[:2]) or \
-            not (parts[2].isdigit() or parts[2] in (SAVE, RECOVERY)):
-        return None
-    return int(parts[0]), int(parts[1]), parts[2] if parts[2] in (SAVE, RECOVERY) else int(parts[2])
-
-
-def parse_stall(text) -> tuple[int, int, float] | None:
-    """backend.stall "RANK:ITERATION:SECONDS" -> (rank, iteration, seconds); None if malformed."""
-    parts = [p.strip() for p in str(text).split(":")]
-    if len(parts) != 3 or not all(p.isdigit() for p in parts[:2]):
-        return None
-    try:
-        seconds = float(parts[2])
-    except ValueError:
-        return None
-    return (int(parts[0]), int(parts[1]), seconds) if seconds > 0 else None
-
-
-def job_nodes(cfg, cluster) -> int:
-    """Nodes whose processes the job starts: the cluster's, its standbys, and one more per
-    join the failure script names (a returning node's processes stand by until it joins)."""
-    joins = 0
-    if cfg.failures.kind == "scripted":
-        joins = sum(1 for e in cfg.failures.events or () if str(e.get("kind", "fail")) == "join")
-    return cluster.nodes + cluster.spares + joins
-
-
-def per_node(cfg) -> bool:
-    """Whether the job runs one elastic agent per node, with heartbeats (a death ends only its
-    own node's processes): when failures are scripted or a process is set to die (backend.kill)."""
-    return cfg.failures.kind != "none" or cfg.backend.get("kill") is not None
-
-
-def heartbeats(cfg) -> bool:
-    """Whether this rank beats and watches its peers' beats: on the per-node layout, and in
-    every job whose store `ftbench` hosts (a torchrun job with a coordinator)."""
-    from ftbench.distributed.membership import STORE_ENV
-
-    return per_node(cfg) or bool(os.environ.get(STORE_ENV))
 
 
 def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str) -> dict:
@@ -396,7 +270,6 @@ def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float,
     import pickle
 
     from ftbench.distributed.membership import STORE_ENV
-    from ftbench.distributed.worker import RESTARTS_ENV, RESULT_KEY, RESUME_ENV, WORLD_ENV
     from ftbench.journal import Journal, JournalError
 
     folder = _fresh_folder(job)
@@ -479,7 +352,6 @@ def _wait_for_agents(agents, view, timeout: float, deadline: float, started: flo
     (the ranks leave within seconds then; one that hangs must not turn a finished job into one
     past its deadline), or past `deadline` without results (DistError)."""
     from ftbench.distributed.transport import DistError
-    from ftbench.distributed.worker import RESULT_KEY
 
     posted = None  # when the results were first seen
     while any(agent.poll() is None for agent in agents):
@@ -503,9 +375,7 @@ def coordinate(job: dict, nodes: int, gpus_per_node: int, log, timeout: float, d
     Ends when the leader posts its results, when every rank has stopped beating after an
     error, or past `deadline`."""
     from ftbench.distributed.membership import STALE_S, beats
-    from ftbench.distributed.torchrun_restarts import LATEST
     from ftbench.distributed.transport import DistError
-    from ftbench.distributed.worker import RESULT_KEY
 
     folder = _fresh_folder(job)
     store = host_store(port, timeout)
@@ -601,7 +471,6 @@ def _result(store, folder: Path, started: float, where: str, agents: str = "") -
     import pickle
 
     from ftbench.distributed.transport import DistError
-    from ftbench.distributed.worker import RESULT_KEY
 
     prefixed = _job_view(store)
     if prefixed.check([RESULT_KEY]):

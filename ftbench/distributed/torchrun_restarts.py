@@ -9,7 +9,7 @@ in each rendezvous, and a node that died is gone. Each process is known in the j
 its host, its agent's process id (an agent lives across its workers' restarts) and its local
 rank: the first time it meets the store it notes its rank there, and a process started again
 in its place reads it back, with the journal to go on from. A node's death kills its agent
-too (ftbench.distributed.engine._die), as a machine's death would, so no agent starts the
+too (ftbench.distributed.faults.die), as a machine's death would, so no agent starts the
 processes of a dead node again.
 """
 from __future__ import annotations
@@ -17,9 +17,7 @@ from __future__ import annotations
 import os
 import socket
 
-from ftbench.distributed.worker import RESTARTS_ENV, RESUME_ENV
-
-LATEST = "restart/latest"  # in the job's store: the journal of the job's last restart (set by its leader)
+from ftbench.distributed.protocol import LATEST, RESTARTS_ENV, RESUME_ENV
 
 
 def identity_key() -> str:

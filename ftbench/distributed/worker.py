@@ -20,23 +20,14 @@ import atexit
 import datetime
 import faulthandler
 import json
-import logging
 import os
-import sys
 import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
-ERROR_PREFIX = "error-rank"
-RESTART_EXIT = 75  # a rank's process ended for a RestartJob: the launcher starts the job's processes again
-RESULT_KEY = "result"  # in the job's store: the leader's results, pickled
-
-
-NODE_ENV = "FTBENCH_NODE"  # set by ftbench.distributed.agent: the node whose processes these are
-WORLD_ENV = "FTBENCH_WORLD"  # and the job's processes, every node's (standbys included)
-RESUME_ENV = "FTBENCH_RESUME"  # the restart journal new processes go on from (ftbench.journal)
-RESTARTS_ENV = "FTBENCH_RESTARTS"  # where RestartJob writes that journal: set when the launcher restarts processes
+from ftbench.distributed.protocol import (ERROR_PREFIX, NODE_ENV, RESTARTS_ENV, RESULT_KEY, RESUME_ENV, WORLD_ENV,
+                                          exit_now, heartbeats)
 
 
 def env_ranks() -> tuple[int, int, int, int]:
@@ -161,27 +152,6 @@ def rank_main(entrypoint, *args):
     return result
 
 
-def exit_now(status: int):
-    """End this rank's process with `status`, its files flushed, without tearing down
-    torch.distributed. A gloo group abandoned after a failure may still be connecting or
-    closing in a daemon thread (ftbench.distributed.transport), and unloading the library
-    under it aborts the process ("terminate called without an active exception", SIGABRT), so
-    the launcher would count a survivor that finished its work as failed. Forked ranks end this
-    way already (multiprocessing ends them with os._exit); spawned and torchrun ranks now do too."""
-    if "wandb" in sys.modules:  # its service process is stopped at exit, which os._exit skips
-        try:
-            sys.modules["wandb"].teardown()
-        except Exception:  # noqa: BLE001 - nothing to stop
-            pass
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed
-            pass
-    os._exit(status)
-
-
 def entry(job: dict) -> dict | None:
     """The elastic launcher's entry point (a module-level function: spawn pickles it by name)."""
     with report_errors(job.get("error_dir")):
@@ -214,8 +184,6 @@ def train(job: dict, log=None) -> dict | None:
     faulthandler.cancel_dump_traceback_later()
     leader_log = _LeaderLog(rank, log, job.get("metrics"))
     heartbeat = alarm = None
-    from ftbench.distributed.launch import heartbeats
-
     if heartbeats(cfg):  # the survivors of a failure tell the dead by their silent beat
         from ftbench.distributed.membership import Alarm, Heartbeat, job_store, log_to_stderr
 
@@ -307,7 +275,7 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     from ftbench.checkpoint import CheckpointStore
     from ftbench.cluster import Cluster
     from ftbench.distributed.engine import DistBackend, DistEngine
-    from ftbench.distributed.launch import parse_kill, parse_stall
+    from ftbench.distributed.faults import parse_kill, parse_stall
     from ftbench.distributed.transport import DistTransport
     from ftbench.engine.local import DTYPES
     from ftbench.failures import build_failure_script
