@@ -105,7 +105,7 @@ from ftbench.cluster import Cluster  # noqa: E402
 from ftbench.context import RunContext  # noqa: E402
 from ftbench.costs import PlanCosts  # noqa: E402
 from ftbench.failures import FailureEvent  # noqa: E402
-from ftbench.report import plot_gantt_panels  # noqa: E402
+from ftbench.gantt import plot_gantt_panels  # noqa: E402
 from ftbench.schedule import BW, OPT, W, grid_worker  # noqa: E402
 from ftbench.sim.simulator import SimResult, simulate  # noqa: E402
 from ftbench.strategies import build_strategy  # noqa: E402

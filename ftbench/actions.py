@@ -8,15 +8,19 @@ which layers, from which worker, to which, how many bytes).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from ftbench.plan import LayerRange
+from ftbench.plan import LayerRange, Plan
 
 # Where a checkpoint lives.
 FILE = "file"  # real files on storage, loaded after a restart (checkpoint restart, Varuna)
 SNAPSHOT = "snapshot"  # two-phase: copy to host memory (stall), persist to files in the background (CheckFreq)
 MEMORY = "memory"  # in-memory commit on each worker; gone with the worker (Elastic Horovod)
 CHECKPOINT_MODES = (FILE, SNAPSHOT, MEMORY)
+
+# fp32 master weights + Adam's two moments; the fp16 working weights are re-cast from the master copy.
+CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class Transfer:
     head: bool  # with the final LayerNorm and LM head (a last stage)
     src: int  # worker that sends
     dst: int  # worker that receives
-    nbytes: float  # checkpointed bytes moved (ftbench.recovery_costs.CHECKPOINT_BYTES_PER_PARAM per parameter)
+    nbytes: float  # checkpointed bytes moved (CHECKPOINT_BYTES_PER_PARAM per parameter)
 
     def __str__(self) -> str:
         blocks = [f"blocks {self.layers[0]}-{self.layers[1] - 1}"] if self.layers[1] > self.layers[0] else []
@@ -113,3 +117,19 @@ class LoadFromHost:
 # Every recovery action; a backend must handle each (tests/test_actions.py checks).
 ACTIONS = (SaveCheckpoint, WaitForReplacement, RestartJob, RestoreCheckpoint, Rendezvous, SyncFromPeers, UndoSteps,
            ReplayLogs, LoadFromHost)
+
+
+@dataclass
+class Recovery:
+    """What a strategy does about a membership change."""
+    actions: list[Any] = field(default_factory=list)  # recovery actions, as data; the backend charges/executes them
+    plan: Plan | None = None  # the plan to continue with (None: keep the current one)
+    unrecoverable: str | None = None  # set when training cannot go on: why
+    # With `unrecoverable`: too few nodes to go on now, but the state survives (on the live
+    # nodes or in a checkpoint). On the modelled clock the run loop stops training and waits
+    # for the timed events that bring more nodes, asking the strategy's `resume` after each.
+    wait: bool = False
+    # Membership requests; the run loop applies them (it is the only writer of membership).
+    replace: tuple[int, ...] = ()  # failed nodes that get a replacement (a standby, else a new node)
+    standby: tuple[int, ...] = ()  # returning nodes that wait as standbys
+    shape: tuple[int, int] | None = None  # the job's new (pp, dp)

@@ -75,7 +75,7 @@ def _key(ref) -> str:
 
 
 def _throughput(ref, efficiency: float) -> tuple[float, str, str | None]:
-    from ftbench.run import simulate
+    from ftbench.assembly.sim import simulate
 
     trial = copy.deepcopy(ref)
     trial.hardware.efficiency = efficiency

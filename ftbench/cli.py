@@ -11,7 +11,7 @@ local run's own equivalence check found it trained another model than fault-free
 failure was scripted and backend.unannounced=stop ended the run (status "died"). In a
 --multirun sweep a job that ends early is a result like any other: the sweep goes on, and
 exits 0 when at least one job ended "ok"; when none did, 3 (2 when every job was a setting
-error), from the Hydra callback ftbench.report.SweepCheck (conf/config.yaml,
+error), from the Hydra callback ftbench.sweep_check.SweepCheck (conf/config.yaml,
 hydra.callbacks), which reads the sweep's summary.json files whatever launcher ran the jobs.
 Hydra's own failures (an unknown option, a job that raised) exit 1.
 """

@@ -270,7 +270,7 @@ def register_configs() -> None:
     """Put the schemas in Hydra's ConfigStore. Group YAML files are typed by the top-level
     schema; strategies differ in fields, so each `conf/strategy/X.yaml` pulls its schema from
     the `schema/strategy` group, kept apart so it is not offered as a strategy option."""
-    from ftbench.sweeper import register as register_sweeper
+    from hydra_plugins.ftbench_sweeper.cell_sweeper import register as register_sweeper
 
     cs = ConfigStore.instance()
     cs.store(name="ftbench_schema", node=FTBenchConfig)

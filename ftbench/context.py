@@ -14,7 +14,7 @@ from ftbench.config import BACKENDS, HardwareConfig, check as check_config
 from ftbench.costs import RECOMPUTE_MODES, CostModel
 from ftbench.errors import ConfigError
 from ftbench.failures import KINDS as FAILURE_KINDS
-from ftbench.metrics import WandbSink
+from ftbench.wandb_sink import WandbSink
 from ftbench.plan import Plan, grid_plan
 from ftbench.schedule import GENERATORS, generate
 from ftbench.models.specs import ModelSpec, resolve_model

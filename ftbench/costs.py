@@ -30,7 +30,7 @@ from functools import lru_cache
 from ftbench.layers import GradientSync, Units
 from ftbench.plan import LayerRange, Plan
 from ftbench.schedule import OP_KINDS, Op
-from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM
+from ftbench.actions import CHECKPOINT_BYTES_PER_PARAM
 from ftbench.models.specs import ModelSpec
 
 ADAM_STATE_BYTES_PER_PARAM = 16

@@ -1,7 +1,7 @@
 """The after-run check against fault-free training, shared by the local and dist backends.
 
 Fault-free training of the same setup runs on the local backend in the run's dtype
-(`ftbench.run.fault_free_reference`) and the run is judged against it
+(`fault_free_reference`) and the run is judged against it
 (`ftbench.equivalence`). A float32 run that is not bit for bit the reference is judged against
 a measured noise floor: the same fault-free training once more in float64. That floor
 depends only on the setup, not on the strategy or the failures, so it is measured once per
@@ -18,8 +18,16 @@ from __future__ import annotations
 
 import json
 
+from ftbench.assembly.local_engine import local_engine
+from ftbench.cluster import Cluster
 from ftbench.equivalence import NoiseFloor, identical, noise_floor, summary_fields
 from ftbench.errors import ResultError
+from ftbench.failures import FailureScript
+from ftbench.job import Progress
+from ftbench.loop import run_loop
+from ftbench.sim.cache import SimCache
+from ftbench.strategies.none import NoFaultTolerance
+from ftbench.threads import configure as configure_threads
 
 _FLOORS: dict[str, NoiseFloor] = {}  # setup -> its float32 noise floor (this process)
 # What fault-free training does not depend on: the strategy, the failures, reporting.
@@ -42,9 +50,8 @@ def check(cfg, ctx, losses: list[float], state: dict, progress: bool = False) ->
 
 def reference(cfg, ctx, progress: bool = False) -> tuple[list[float], dict]:
     """Losses and final weights of fault-free training of this run's setup
-    (`ftbench.run.fault_free_reference`); with references kept (`_REFERENCES`), trained once
+    (`fault_free_reference`); with references kept (`_REFERENCES`), trained once
     per setup and strategy in this process, and a copy returned."""
-    from ftbench.run import fault_free_reference
 
     key = _setup_key(cfg, _NOT_REFERENCE) if _REFERENCES is not None else None
     if key is None:
@@ -62,7 +69,6 @@ def float32_floor(cfg, ctx, ref_losses, ref_state, progress: bool = False) -> No
     from omegaconf import OmegaConf
 
     from ftbench.engine.local import check_fits_host
-    from ftbench.run import fault_free_reference
 
     key = _setup_key(cfg)
     if key is not None and key in _FLOORS:
@@ -88,3 +94,17 @@ def _setup_key(cfg, left_out: tuple[str, ...] = _NOT_SETUP) -> str | None:
         return None
     kept = {k: v for k, v in resolved.items() if k not in left_out}
     return json.dumps(kept, sort_keys=True, default=str)
+
+
+def fault_free_reference(cfg, ctx, progress: bool = False) -> tuple[list[float], dict]:
+    """Losses and final weights of the same training with no failures and no fault tolerance."""
+    configure_threads(cfg.backend, ctx.spec)  # the same count as the run it checks
+    from ftbench.engine.backend import LocalBackend
+
+    strategy = NoFaultTolerance(cfg.strategy, ctx)
+    cluster = Cluster.from_config(cfg.cluster)
+    engine = local_engine(cfg, ctx, strategy, None)
+    with Progress(ctx, progress, "fault-free check") as bar:
+        outcome = run_loop(ctx, strategy, cluster, FailureScript([], iter(())), LocalBackend(engine),
+                           SimCache(ctx.cost_model), lambda record: None, bar)
+    return outcome.losses, engine.final_state()

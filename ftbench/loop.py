@@ -824,7 +824,7 @@ class RunLoop:
         still waiting: it ends there, status ok. Elsewhere (other failure scripts, the wall
         clock, a strategy without `resume`), or when no later event can come, the job cannot
         go on: Recovery(unrecoverable=reason)."""
-        from ftbench.strategies.base import Recovery
+        from ftbench.actions import Recovery
 
         resume = getattr(self.strategy, "resume", None)
         if not self.modelled or resume is None or not self.waits_for_joins:

@@ -14,10 +14,9 @@ from itertools import cycle
 
 from ftbench.actions import (FILE, MEMORY, SNAPSHOT, LoadFromHost, Rendezvous, ReplayLogs, RestartJob,
                              RestoreCheckpoint, SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement)
+from ftbench.actions import CHECKPOINT_BYTES_PER_PARAM
 from ftbench.plan import Plan, checkpoint_writers
-
-# fp32 master weights + Adam's two moments; the fp16 working weights are re-cast from the master copy.
-CHECKPOINT_BYTES_PER_PARAM = 12
+from ftbench.transfers import transfer_seconds
 
 
 @dataclass
@@ -169,8 +168,6 @@ def action_seconds(action, old: Plan, new: Plan, cost_model, save_s: float | Non
 
 
 def _copies_s(copies, old: Plan, new: Plan, cost_model) -> float:
-    from ftbench.transfers import transfer_seconds  # transfers builds on this module's byte counts
-
     node_of = {**old.node_of, **new.node_of}
     return transfer_seconds(copies, node_of.__getitem__, cost_model)
 

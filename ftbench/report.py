@@ -1,7 +1,7 @@
-"""Reading results: Gantt charts of one iteration, a console summary of one run, tables
-(Markdown or CSV) over many run folders, and the sweep helpers behind them (`swept_keys`,
-which the CLI records in each summary, and `SweepCheck`, the Hydra callback that makes a
-sweep with no "ok" job exit non-zero).
+"""Tables (Markdown or CSV) over many run folders, and the sweep helper behind them
+(`swept_keys`, which the CLI records in each summary). The other rooms of reading results:
+Gantt charts in ftbench/gantt.py, the console summary of one run in ftbench/console.py, the
+sweep's Hydra callback in ftbench/sweep_check.py, W&B in ftbench/wandb_sink.py.
 
 CLI: `python -m ftbench.report RUN_OR_SWEEP_DIR... [--csv] [--out FILE] [--columns A,B]
 [--per-run]`. Default columns: strategy, one per swept key, model, schedule, backend, pp, dp,
@@ -23,391 +23,16 @@ import re
 import statistics
 import sys
 import warnings
-from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
-from hydra.experimental.callback import Callback
-
+from ftbench.console import failure_count
 from ftbench.metrics import (METRICS_FILE, SUMMARY_FILE, peak_memory_max, read_metrics, recovery_totals,
                              summary_ettr)
-
-KIND_COLOURS: dict[str, str] = {
-    "F": "#4C72B0",    # forward: blue
-    "B": "#DD8452",    # input gradient: orange
-    "W": "#55A868",    # weight gradient: green
-    "BW": "#C44E52",   # fused backward: red
-    "OPT": "#8172B3",  # optimizer step: purple
-    "RF": "#A1C9F4",   # Bamboo's redundant forward: light blue
-    "RSYNC": "#64B5CD",  # Bamboo's redundant-copy refresh: teal
-    "AR": "#937860",   # gradient all-reduce (network): brown, drawn hatched
-}
-UNKNOWN_COLOUR = "#9E9E9E"
-COMM_KINDS = {"AR"}  # network ops: not compute, so they do not fill bubbles
-MAX_ROWS = 64  # rows drawn before the chart keeps only the first and last halves
-MAX_LABELS = 4000  # micro-batch numbers written at most; more only slows drawing down
 
 DEFAULT_COLUMNS = ["strategy", "model", "schedule", "backend", "pp", "dp", "microbatches", "iterations",
                    "time_s", "iteration_s", "throughput", "ettr", "failures", "recovery_s", "lost_iterations",
                    "status"]
-
-
-# --------------------------------------------------------------------------- Gantt chart
-
-def _busy_seconds(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of intervals, so overlapping ops on one worker count once."""
-    busy, end_so_far = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end <= end_so_far:
-            continue
-        busy += end - max(start, end_so_far)
-        end_so_far = end
-    return busy
-
-
-def bubble_fraction(timeline: list[dict], workers: Iterable[int] | None = None) -> float:
-    """1 - busy compute / (workers * makespan); all-reduce time is not compute."""
-    if not timeline:
-        return 0.0
-    t0 = min(op["start"] for op in timeline)
-    makespan = max(op["end"] for op in timeline) - t0
-    worker_ids = set(workers) if workers is not None else {op["worker"] for op in timeline}
-    if makespan <= 0 or not worker_ids:
-        return 0.0
-    per_worker: dict[int, list[tuple[float, float]]] = {}
-    for op in timeline:
-        if op["kind"] not in COMM_KINDS:
-            per_worker.setdefault(op["worker"], []).append((op["start"], op["end"]))
-    busy = sum(_busy_seconds(spans) for spans in per_worker.values())
-    return max(0.0, 1.0 - busy / (len(worker_ids) * makespan))
-
-
-def _rows_to_draw(workers: list[int]) -> tuple[list[int], bool]:
-    """All workers, or the first and last MAX_ROWS/2 when there are too many to read."""
-    if len(workers) <= MAX_ROWS:
-        return workers, False
-    half = MAX_ROWS // 2
-    return workers[:half] + workers[-half:], True
-
-
-def _time_unit(span_s: float) -> tuple[float, str]:
-    return (1000.0, "ms") if span_s < 10.0 else (1.0, "s")
-
-
-def _fits(width_pt: float, height_pt: float, text: str, fontsize: float) -> bool:
-    """Whether `text` fits inside a bar of this size, with a little margin."""
-    return width_pt >= 0.62 * fontsize * len(text) + 3 and height_pt >= fontsize + 2
-
-
-def plot_gantt(timeline: list[dict], path: Path | str, title: str = "",
-               worker_labels: dict[int, str] | None = None) -> Path:
-    """Draw one row per worker (worker 0 on top), a bar per op coloured by kind, into a PNG."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only: never needs a display
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    labels = worker_labels or {}
-    rows, _, _ = _gantt_rows(timeline, labels)
-    t0, span = gantt_span([timeline])
-    width_in, row_in = 12.0, 0.3
-    height_in = max(2.6, 1.6 + row_in * max(len(rows), 1))
-    fig, ax = plt.subplots(figsize=(width_in, height_in))
-    try:
-        _draw_gantt(ax, timeline, labels, title, t0, span, width_in, row_in)
-        ax.legend(handles=_legend_handles([timeline]), loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                  frameon=False)
-        fig.savefig(path, dpi=120, bbox_inches="tight", facecolor="white")
-    finally:
-        plt.close(fig)
-    return path
-
-
-def plot_gantt_panels(panels: list[tuple[str, list[dict]]], path: Path | str, title: str = "",
-                      shared_axis: bool = True) -> Path:
-    """Several timelines stacked vertically, one panel per (title, timeline), into a PNG: on one
-    shared time axis (same origin and scale everywhere, so lengths compare at a glance), or
-    with `shared_axis=False` each on its own (a measured run beside a model of it). Panels
-    draw as in plot_gantt; the legend (every kind in any panel) appears once."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not panels:
-        raise ValueError("plot_gantt_panels needs at least one (title, timeline) panel")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    timelines = [timeline for _, timeline in panels]
-    t0, span = gantt_span(timelines)
-    width_in, row_in = 12.0, 0.3
-    # Each panel: its rows plus about 0.9 in for its two-line title and the tick labels.
-    heights = [0.9 + row_in * max(len(_gantt_rows(tl, {})[0]), 1) for tl in timelines]
-    fig, axes = plt.subplots(len(panels), 1, sharex=shared_axis, squeeze=False,
-                             figsize=(width_in, sum(heights) + 0.6 + (0.4 if title else 0.0)),
-                             gridspec_kw={"height_ratios": heights}, layout="constrained")
-    axes = [row[0] for row in axes]
-    try:
-        for ax, (panel_title, timeline) in zip(axes, panels):
-            origin, length = (t0, span) if shared_axis else gantt_span([timeline])
-            _draw_gantt(ax, timeline, {}, panel_title, origin, length, width_in, row_in)
-        for ax in axes[:-1] if shared_axis else ():
-            ax.set_xlabel("")  # one time axis: labelled at the bottom only
-        axes[0].legend(handles=_legend_handles(timelines), loc="upper left",
-                       bbox_to_anchor=(1.01, 1.0), frameon=False)
-        if title:
-            fig.suptitle(title, fontsize=11, x=0.0, ha="left")
-        fig.savefig(path, dpi=120, bbox_inches="tight", facecolor="white")
-    finally:
-        plt.close(fig)
-    return path
-
-
-def gantt_span(timelines: list[list[dict]]) -> tuple[float, float]:
-    """(t0, span) covering every op of every timeline: the common origin and length of the
-    time axis (0.0, 0.0 when there are no ops)."""
-    starts = [op["start"] for timeline in timelines for op in timeline]
-    ends = [op["end"] for timeline in timelines for op in timeline]
-    t0 = min(starts, default=0.0)
-    return t0, max(ends, default=0.0) - t0
-
-
-def _gantt_rows(timeline: list[dict], labels: dict[int, str]) -> tuple[list[int], list[int], bool]:
-    """(rows drawn, all workers, whether rows were capped)."""
-    workers = sorted({op["worker"] for op in timeline} | set(labels))
-    rows, capped = _rows_to_draw(workers)
-    return rows, workers, capped
-
-
-def _draw_gantt(ax: Any, timeline: list[dict], labels: dict[int, str], title: str, t0: float,
-                span: float, width_in: float, row_in: float) -> None:
-    """One timeline into `ax` (bars, micro-batch numbers, axes, title) on the time axis
-    [t0, t0 + span]; the legend is the caller's."""
-    rows, workers, capped = _gantt_rows(timeline, labels)
-    row_of = {worker: index for index, worker in enumerate(rows)}
-    scale, unit = _time_unit(span)
-    # About 3 points of plot width, in time units: the narrowest bar a separator suits.
-    narrow = span * scale * 3.0 / (width_in * 72 * 0.75)
-    _draw_ops(ax, timeline, row_of, t0, scale, narrow)
-    _draw_labels(ax, timeline, row_of, t0, scale, span, width_in, row_in)
-    _style_axes(ax, rows, labels, span * scale, unit, t0, capped)
-    ax.set_title(_gantt_title(title, timeline, workers, rows, capped, _own_span(timeline), scale, unit),
-                 fontsize=10, loc="left")
-    if not timeline:
-        ax.text(0.5, 0.5, "empty timeline", transform=ax.transAxes, ha="center", va="center")
-
-
-def _own_span(timeline: list[dict]) -> float:
-    return gantt_span([timeline])[1]
-
-
-def _legend_handles(timelines: list[list[dict]]) -> list:
-    from matplotlib.patches import Patch
-
-    kinds = {op["kind"] for timeline in timelines for op in timeline}
-    handles = [Patch(facecolor=KIND_COLOURS[k], edgecolor="#555555",
-                     hatch="////" if k in COMM_KINDS else None,
-                     label="AR (all-reduce)" if k == "AR" else k) for k in KIND_COLOURS if k in kinds]
-    handles.append(Patch(facecolor="white", edgecolor="#BBBBBB", label="idle (bubble)"))
-    return handles
-
-
-def _draw_ops(ax: Any, timeline: list[dict], row_of: dict[int, int], t0: float,
-              scale: float, narrow: float) -> None:
-    """One broken_barh per (row, kind): far fewer artists than one bar per op.
-
-    Bars narrower than `narrow` (x units) get an outline in their own colour instead of the
-    white separator, which would otherwise paint over them and hide short ops entirely.
-    """
-    groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
-    for op in timeline:
-        row = row_of.get(op["worker"])
-        if row is not None:
-            bar = ((op["start"] - t0) * scale, max(0.0, op["end"] - op["start"]) * scale)
-            groups.setdefault((row, op["kind"]), []).append(bar)
-    for (row, kind), bars in groups.items():
-        colour = KIND_COLOURS.get(kind, UNKNOWN_COLOUR)
-        if kind in COMM_KINDS:
-            # Network op: thin, hatched, low in the row, on top of any compute it overlaps.
-            ax.broken_barh(bars, (row + 0.12, 0.28), facecolors="#F3ECE4", edgecolors=colour,
-                           hatch="////", linewidth=0.6, zorder=3)
-        else:
-            edges = ["white" if width >= narrow else colour for _, width in bars]
-            ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour, edgecolors=edges,
-                           linewidth=0.4, zorder=2)
-
-
-def _draw_labels(ax: Any, timeline: list[dict], row_of: dict[int, int], t0: float,
-                 scale: float, span: float, width_in: float, row_in: float) -> None:
-    """Micro-batch numbers inside compute bars that are wide enough to hold them."""
-    if span <= 0:
-        return
-    fontsize = 7 if len(row_of) <= 32 else 5.5
-    plot_width_pt = width_in * 72 * 0.75  # the axes take about three quarters of the figure
-    height_pt = row_in * 72 * 0.8
-    written = 0
-    for op in timeline:
-        row = row_of.get(op["worker"])
-        mb = op.get("microbatch")
-        if row is None or mb is None or op["kind"] in COMM_KINDS:
-            continue
-        text = str(mb)
-        width_pt = (op["end"] - op["start"]) / span * plot_width_pt
-        if not _fits(width_pt, height_pt, text, fontsize):
-            continue
-        centre = ((op["start"] + op["end"]) / 2 - t0) * scale
-        ax.text(centre, row, text, ha="center", va="center", fontsize=fontsize,
-                color="white", zorder=4, clip_on=True)
-        written += 1
-        if written >= MAX_LABELS:
-            return
-
-
-def _style_axes(ax: Any, rows: list[int], labels: dict[int, str], span: float, unit: str,
-                t0: float, capped: bool) -> None:
-    ax.set_ylim(max(len(rows), 1) - 0.5, -0.5)  # inverted: worker 0 on top
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([labels.get(w, f"w{w}") for w in rows],
-                       fontsize=8 if len(rows) <= 32 else 6)
-    # A sliver of room on both sides so ops at the very start or end are not hidden by the frame.
-    ax.set_xlim((-0.005 * span, span * 1.01) if span > 0 else (0.0, 1.0))
-    xlabel = f"time ({unit})"
-    if t0:
-        xlabel += f" since t = {t0:.6g} s"
-    ax.set_xlabel(xlabel)
-    ax.set_facecolor("white")
-    ax.set_axisbelow(True)  # grid behind bars, so bubbles read as white gaps on a light grid
-    ax.grid(True, axis="x", color="#E4E4E4", linewidth=0.8)
-    for row in range(len(rows) + 1):  # faint row separators
-        ax.axhline(row - 0.5, color="#F0F0F0", linewidth=0.6, zorder=0)
-    if capped:
-        half = len(rows) // 2
-        ax.axhline(half - 0.5, color="#555555", linestyle="--", linewidth=1.0, zorder=5)
-
-
-def _gantt_title(title: str, timeline: list[dict], workers: list[int], rows: list[int],
-                 capped: bool, span: float, scale: float, unit: str) -> str:
-    bubbles = bubble_fraction(timeline, workers)
-    plural = "worker" if len(workers) == 1 else "workers"
-    facts = (f"bubble fraction {bubbles:.1%}  |  {len(workers)} {plural}  |  "
-             f"makespan {span * scale:.4g} {unit}")
-    if capped:
-        half = len(rows) // 2
-        facts += f"  |  showing first {half} and last {half} of {len(workers)} workers"
-    return f"{title}\n{facts}" if title else facts
-
-
-# --------------------------------------------------------------------------- one run
-
-def human_duration(seconds: Any) -> str:
-    """3.9 ms, 12.3 s, 4.5 min, 2.25 h, 3.1 d."""
-    if not isinstance(seconds, (int, float)):
-        return "-"
-    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0), ("s", 1.0)):
-        if abs(seconds) >= size:
-            return f"{_short(seconds / size)} {unit}"
-    if seconds == 0:
-        return "0 s"
-    return f"{_short(seconds * 1000)} ms"  # tiny simulated models finish in milliseconds
-
-
-def _memory(peak_bytes: float | None) -> str:
-    if peak_bytes is None:
-        return "-"
-    if peak_bytes >= 1e8:
-        return f"{peak_bytes / 1e9:.2f} GB per worker (max)"
-    return f"{peak_bytes / 1e6:.3g} MB per worker (max)"  # toy models would read 0.00 GB
-
-
-def _short(value: float) -> str:
-    """About three significant digits without scientific notation."""
-    if abs(value) >= 100:
-        return f"{value:,.0f}"
-    if abs(value) >= 10:
-        return f"{value:.1f}"
-    if abs(value) >= 0.01 or value == 0:
-        return f"{value:.2f}"
-    return f"{value:.2g}"
-
-
-def _count(value: Any) -> Any:
-    """`failures` is a count, but a list of failure records is counted too."""
-    return len(value) if isinstance(value, (list, tuple)) else value
-
-
-def _percent(ratio: float | None) -> str:
-    """0.97312 -> '97.3 %'; a ratio short of 1 never reads as 100.0 % (at most 99.9 %)."""
-    if ratio is None:
-        return "-"
-    return f"{min(ratio * 100, 99.9) if ratio < 1 else 100.0:.1f} %"
-
-
-def _or_dash(value: Any) -> str:
-    return "-" if value is None or value == "" else str(value)
-
-
-def _final_shape(s: dict) -> str:
-    """' (ended pp=4 dp=1)' when the run ended in another shape than it started in."""
-    final = s.get("final_shape")
-    return f" (ended {final})" if final and final != f"pp={s.get('pp')} dp={s.get('dp')}" else ""
-
-
-def format_summary(summary: dict) -> str:
-    """A short aligned table of one run for the console."""
-    s = summary
-    # the modelled clock (sim, or local/dist with backend.clock=model) is simulated time
-    sim = s.get("backend") == "sim" or s.get("clock") == "model"
-    totals = recovery_totals(s)
-    peak = peak_memory_max(s)
-    throughput = s.get("throughput")
-    iterations = _or_dash(s.get("iterations"))
-    if s.get("samples") is not None:
-        iterations += f" ({s['samples']} samples)"
-    microbatches = _or_dash(s.get("microbatches"))
-    if s.get("global_batch") is not None:
-        microbatches += f" (global batch {s['global_batch']})"
-    status = _or_dash(s.get("status"))
-    if s.get("status") != "ok" and s.get("error"):
-        status += f": {s['error']}"
-    charged = sum(float(r.get("charged_restart_s") or 0.0) for r in s.get("recoveries") or [] if isinstance(r, dict))
-    clock_time = human_duration(s.get("time_s"))
-    if charged:  # local: restarts a process cannot perform on itself, charged at the measured profile's cost
-        clock_time += f" ({human_duration(charged)} of it charged for process restarts: hardware.restart_s)"
-    rows = [
-        ("strategy", _or_dash(s.get("strategy"))),
-        ("backend", _or_dash(s.get("backend"))),
-        ("model", _or_dash(s.get("model"))),
-        ("pp x dp", f"{_or_dash(s.get('pp'))} x {_or_dash(s.get('dp'))}" + _final_shape(s)),
-        ("micro-batches", microbatches),
-        ("iterations", iterations),
-        ("simulated time" if sim else "wall time", clock_time),
-        ("throughput", f"{_short(throughput)} samples/s"
-         if isinstance(throughput, (int, float)) else "-"),
-        ("ETTR", _percent(summary_ettr(s))),
-        ("failures", _or_dash(_count(s.get("failures")))),
-        ("recoveries", f"{totals['count']} (total {human_duration(totals['recovery_s'])})"),
-        ("lost iterations", str(totals["lost_iterations"])),
-        ("peak memory", _memory(peak)),
-        ("status", status),
-    ]
-    if s.get("matches_fault_free") is not None:  # local runs that ran the equivalence check
-        verdict = "yes" if s["matches_fault_free"] else f"NO ({s.get('fault_free_difference')})"
-        rows.append(("matches fault-free", verdict + _against_floor(s)))
-    if s.get("run_dir"):  # where everything else is: the last line, found at a glance
-        rows.append(("run folder", str(s["run_dir"])))
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
-
-
-def _against_floor(s: dict) -> str:
-    """A float32 verdict's numbers: the largest difference beside its measured noise floor."""
-    seen, floor = s.get("fault_free_difference_max"), s.get("fault_free_noise_floor")
-    if not seen or not floor:
-        return ""
-    def g(x) -> str:
-        return f"{x:.2g}" if isinstance(x, (int, float)) else str(x)
-    return (f"; {seen['parameter']} off by {g(seen['weights'])}, float32 noise floor {g(floor['weights'])}"
-            f" (x{floor['factor']} allowed); losses off by {g(seen['loss'])}, floor {g(floor['loss'])}")
 
 
 # --------------------------------------------------------------------------- many runs
@@ -512,75 +137,6 @@ def swept_keys(sweep_dir: Path | str) -> list[str]:
     return keys
 
 
-def sweep_exit_code(statuses: list[Any]) -> int:
-    """0 when some job ended "ok"; 2 when every job ended "error" (a setting to fix); 3 otherwise
-    (no job ended "ok": all "oom"/"unrecoverable", a mix, or no summary at all)."""
-    if "ok" in statuses:
-        return 0
-    if statuses and all(status == "error" for status in statuses):
-        return 2
-    return 3
-
-
-def _summary_stamps(folder: Path) -> dict[Path, tuple[int, int]]:
-    if not folder.is_dir():
-        return {}
-    stamps = {}
-    for path in folder.rglob(SUMMARY_FILE):
-        try:
-            stat = path.stat()
-        except OSError:
-            continue
-        stamps[path] = (stat.st_ino, stat.st_mtime_ns)
-    return stamps
-
-
-class SweepCheck(Callback):
-    """Hydra callback (conf/config.yaml, `hydra.callbacks.sweep_check`): when a --multirun sweep
-    ends and no job ended "ok", print why and exit with `sweep_exit_code` (3; 2 when every job
-    was a setting error). It reads the summary.json files under the sweep folder that are new
-    or rewritten since the sweep started (summaries are replaced atomically, so a rewrite has a
-    new inode), which works whichever launcher ran the jobs: in this process, in joblib
-    workers, or on SLURM (shared filesystem). A job that raised made Hydra fail already."""
-
-    def __init__(self) -> None:
-        self._sweep_dir: Path | None = None
-        self._before: dict[Path, tuple[int, int]] = {}
-
-    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        self._sweep_dir = Path(str(config.hydra.sweep.dir))
-        self._before = _summary_stamps(self._sweep_dir)
-
-    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        before = self._before if sweep_dir == self._sweep_dir else {}
-        statuses: list[Any] = []
-        for path, stamp in sorted(_summary_stamps(sweep_dir).items()):
-            if before.get(path) == stamp:
-                continue  # an older sweep's job in a reused folder
-            try:
-                statuses.append(json.loads(path.read_text(encoding="utf-8")).get("status"))
-            except (OSError, ValueError, AttributeError):
-                statuses.append(None)
-        from omegaconf import OmegaConf
-
-        mode = OmegaConf.select(config, "wandb.mode", default="disabled")
-        if statuses and mode != "disabled":  # log_sweep_table honours WANDB_MODE=disabled too  # one W&B table of the sweep's summaries, in the sweep's group
-            from ftbench.metrics import log_sweep_table
-
-            log_sweep_table(sweep_dir, OmegaConf.select(config, "wandb"))
-        code = sweep_exit_code(statuses)
-        if not code:
-            counts = ", ".join(f"{n} {status}" for status, n in sorted(Counter(str(s) for s in statuses).items()))
-            print(f"ftbench: sweep done ({counts}). Sweep folder: {sweep_dir}")
-        if code:
-            counts = ", ".join(f"{n} {status}" for status, n in
-                               sorted(Counter(str(s) for s in statuses).items())) or f"no {SUMMARY_FILE}"
-            print(f"ftbench: no job of the sweep ended 'ok' ({counts}); exit code {code}.\n"
-                  f"Sweep folder: {sweep_dir}", file=sys.stderr)
-            sys.exit(code)
-
-
 # --------------------------------------------------------------------------- table columns
 
 def run_clock(run: dict) -> str | None:
@@ -635,7 +191,7 @@ DERIVED_COLUMNS = {
     "lost_iterations": lambda run: recovery_totals(run)["lost_iterations"],
     "peak_memory_gb": lambda run: (None if peak_memory_max(run) is None
                                    else peak_memory_max(run) / 1e9),
-    "failures": lambda run: _count(run.get("failures")),
+    "failures": lambda run: failure_count(run.get("failures")),
     "iteration_s": _iteration_seconds,
     "clock": run_clock,
     "ettr": summary_ettr,
@@ -656,7 +212,7 @@ HEADERS = {
 TIMED_COLUMNS = ("time_s", "iteration_s", "iteration_time_s", "recovery_s", "throughput")
 
 
-def _value(run: dict, column: str) -> Any:
+def column_value(run: dict, column: str) -> Any:
     if column in DERIVED_COLUMNS:
         return DERIVED_COLUMNS[column](run)
     if column == SEEDS_COLUMN:
@@ -709,7 +265,7 @@ def valid_columns(runs: list[dict]) -> list[str]:
 def unknown_columns(runs: list[dict], columns: list[str]) -> list[str]:
     """The names in `columns` no run has (typos): their cells would all be empty."""
     valid = set(valid_columns(runs))
-    return [c for c in columns if c not in valid and all(_value(run, c) is None for run in runs)]
+    return [c for c in columns if c not in valid and all(column_value(run, c) is None for run in runs)]
 
 
 def _seed_label(run: dict) -> Any:
@@ -761,7 +317,7 @@ def _aggregate(values: list[Any], column: str) -> tuple[Any, float | None]:
     return statistics.fmean(present), (statistics.stdev(present) if len(present) > 1 else 0.0)
 
 
-def _swept_columns(runs: list[dict], columns: list[str], aggregated: bool) -> list[str]:
+def swept_columns(runs: list[dict], columns: list[str], aggregated: bool) -> list[str]:
     """Keys the runs' sweeps varied (`swept`), then override keys whose value differs between
     runs (runs from separate sweeps or single runs), minus those already shown."""
     keys: list[str] = []
@@ -783,7 +339,7 @@ def _table_columns(runs: list[dict], columns: list[str] | None, groups: list[lis
     columns = list(columns if explicit else DEFAULT_COLUMNS)
     if not explicit:
         at = columns.index("strategy") + 1 if "strategy" in columns else 0
-        columns[at:at] = _swept_columns(runs, columns, aggregated)
+        columns[at:at] = swept_columns(runs, columns, aggregated)
         if aggregated and not any(c in columns for c in (*SEED_KEYS, SEEDS_COLUMN)):
             columns.append(SEEDS_COLUMN)
     if len(clocks) > 1 and "clock" not in columns and any(c in TIMED_COLUMNS for c in columns):
@@ -816,7 +372,7 @@ def runs_table(runs: list[dict], columns: list[str] | None = None, fmt: str = "m
     groups = group_by_seed(runs) if aggregate else [[run] for run in runs]
     clocks = {clock for clock in (run_clock(run) for run in runs) if clock}
     columns = _table_columns(runs, columns, groups, clocks)
-    pairs = [[_aggregate([_value(run, c) for run in group], c) for c in columns] for group in groups]
+    pairs = [[_aggregate([column_value(run, c) for run in group], c) for c in columns] for group in groups]
     spread = [any(row[i][1] is not None for row in pairs) for i in range(len(columns))]
     headers = [_header(c, clocks) for c in columns]
     if fmt == "csv":

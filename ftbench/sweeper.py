@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import OmegaConf
@@ -37,18 +36,6 @@ class CellSweeperConf:
     params: Optional[Dict[str, str]] = None  # key -> comma list, as hydra.sweeper.params of the basic sweeper
     exclude: List[Any] = field(default_factory=list)  # rules {key: value or [values]}; a job matching one is left out
     progress: bool = True  # one progress bar over the sweep's jobs (stderr)
-
-
-def register() -> None:
-    """Make `hydra/sweeper=ftbench` known. Hydra loads plugins only from the `hydra_plugins`
-    namespace and finds them by scanning it, which misses packages installed in editable mode
-    (`pip install -e .`): the class is registered here by hand as well."""
-    from hydra.core.plugins import Plugins
-
-    from hydra_plugins.ftbench_sweeper.cell_sweeper import CellSweeper as Plugin
-
-    ConfigStore.instance().store(group="hydra/sweeper", name="ftbench", node=CellSweeperConf)
-    Plugins.instance().register(Plugin)
 
 
 def _job_values(job: Sequence[str]) -> dict[str, str]:

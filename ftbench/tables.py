@@ -407,7 +407,7 @@ def _wandb_value(v: Any) -> Any:
 
 
 def _to_wandb(sweep_dir: Path, spec: dict, records: list[dict], files: dict[str, Path], cfg: Any) -> None:
-    from ftbench.metrics import log_sweep_table, start_sweep_run
+    from ftbench.wandb_sink import log_sweep_table, start_sweep_run
 
     try:
         # cfg None (`python -m ftbench.tables`) or without a mode: no W&B

@@ -12,7 +12,7 @@ from operator import eq
 
 from ftbench.actions import Transfer
 from ftbench.plan import Plan
-from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM
+from ftbench.actions import CHECKPOINT_BYTES_PER_PARAM
 
 
 def _replicas(plan: Plan) -> dict[int, dict[tuple, tuple[int, int]]]:

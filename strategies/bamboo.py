@@ -65,7 +65,7 @@ class Bamboo:
 
     @staticmethod
     def sized_by_membership(cfg) -> bool:
-        """floor(live nodes / cluster.pp) pipelines, whatever cluster.dp (ftbench.run.sized_by_membership)."""
+        """floor(live nodes / cluster.pp) pipelines, whatever cluster.dp (ftbench.job.sized_by_membership)."""
         return True
 
     def __init__(self, cfg, ctx):

@@ -2,28 +2,12 @@
 actions it takes when membership changes. Backends execute both; they hold no strategy logic."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
+from ftbench.actions import Recovery
 from ftbench.cluster import ClusterView
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
-
-
-@dataclass
-class Recovery:
-    """What a strategy does about a membership change."""
-    actions: list[Any] = field(default_factory=list)  # recovery actions, as data; the backend charges/executes them
-    plan: Plan | None = None  # the plan to continue with (None: keep the current one)
-    unrecoverable: str | None = None  # set when training cannot go on: why
-    # With `unrecoverable`: too few nodes to go on now, but the state survives (on the live
-    # nodes or in a checkpoint). On the modelled clock the run loop stops training and waits
-    # for the timed events that bring more nodes, asking the strategy's `resume` after each.
-    wait: bool = False
-    # Membership requests; the run loop applies them (it is the only writer of membership).
-    replace: tuple[int, ...] = ()  # failed nodes that get a replacement (a standby, else a new node)
-    standby: tuple[int, ...] = ()  # returning nodes that wait as standbys
-    shape: tuple[int, int] | None = None  # the job's new (pp, dp)
 
 
 class Strategy(Protocol):

@@ -41,7 +41,7 @@ class Oobleck:
 
     @staticmethod
     def sized_by_membership(cfg) -> bool:
-        """Its pipelines cover the live nodes (ftbench.run.sized_by_membership)."""
+        """Its pipelines cover the live nodes (ftbench.job.sized_by_membership)."""
         return True
 
     def __init__(self, cfg, ctx):

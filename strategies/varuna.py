@@ -38,7 +38,7 @@ class Varuna(CheckpointRestart):
 
     @staticmethod
     def sized_by_membership(cfg) -> bool:
-        """With start=fastest its first shape comes from the live GPUs (ftbench.run.sized_by_membership)."""
+        """With start=fastest its first shape comes from the live GPUs (ftbench.job.sized_by_membership)."""
         return cfg.get("start", "configured") == "fastest"
 
     def __init__(self, cfg, ctx):

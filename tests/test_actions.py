@@ -10,7 +10,7 @@ from ftbench.actions import ACTIONS, FILE, MEMORY, RestoreCheckpoint, SyncFromPe
 from ftbench.context import RunContext
 from ftbench.engine.backend import LocalBackend
 from ftbench.recovery_costs import action_seconds
-from ftbench.run import local_engine
+from ftbench.assembly.local_engine import local_engine
 from ftbench.sim.backend import SimBackend
 from ftbench.transfers import peer_copies, transfer_seconds
 from ftbench.strategies import build_strategy

@@ -181,13 +181,14 @@ def test_sigterm_is_handled_like_ctrl_c_and_keeps_what_was_done(tmp_path):
 def test_ctrl_c_during_the_fault_free_check_keeps_the_runs_summary(tmp_path, monkeypatch):
     """Interrupted while the run checks itself against fault-free training (after its own
     training loop), the summary holds the run's iterations and failures, not the check's."""
+    import ftbench.fault_free as fault_free
     import ftbench.run as run_module
     from conftest import LOCAL, compose
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(run_module, "fault_free_reference", interrupted)
+    monkeypatch.setattr(fault_free, "fault_free_reference", interrupted)
     cfg = compose("report.progress=false", *LOCAL, "report.check_fault_free=true", "strategy=checkpoint",
                   "failures=scripted", "failures.events=[{iteration:3,node:5}]")
     with pytest.raises(KeyboardInterrupt):
@@ -225,7 +226,7 @@ def test_a_time_capped_run_shows_progress_in_hours(monkeypatch):
     import tqdm
 
     from ftbench.context import RunContext
-    from ftbench.run import _progress
+    from ftbench.job import Progress
     from conftest import compose
 
     bars = []
@@ -243,11 +244,11 @@ def test_a_time_capped_run_shows_progress_in_hours(monkeypatch):
 
     monkeypatch.setattr(tqdm, "tqdm", Fake)
     capped = RunContext.from_config(compose("backend=sim", "train.max_hours=2", "train.iterations=1000000000"))
-    with _progress(capped, True, "simulating") as progress:
+    with Progress(capped, True, "simulating") as progress:
         progress(500, 1800.0)
         progress(100000, 7200.0)
     assert (bars[0].unit, bars[0].total, bars[0].n) == ("h", 2.0, 2.0)
     plain = RunContext.from_config(compose("backend=sim", "train.iterations=20"))
-    with _progress(plain, True, "simulating") as progress:
+    with Progress(plain, True, "simulating") as progress:
         progress(20, 99.0)
     assert (bars[1].unit, bars[1].total, bars[1].n) == ("it", 20, 20)

@@ -10,7 +10,7 @@ import torch
 from conftest import LOCAL, run
 from ftbench import fault_free
 from ftbench.equivalence import FACTOR, NoiseFloor, compare, noise_floor, summary_fields
-from ftbench.report import format_summary
+from ftbench.console import format_summary
 
 CHECKED = (*LOCAL, "backend.dtype=float32", "report.check_fault_free=true", "train.iterations=6")
 # ReCycle re-routes the dead worker's micro-batches to its peer of the same stage: that stage's
@@ -98,16 +98,16 @@ def test_the_verdict_is_factor_times_the_floor():
 
 def test_the_floor_is_measured_once_per_setup(tmp_path, monkeypatch):
     """Two strategies of one setup in one process: the float64 run is paid once."""
-    from ftbench import run as run_module
+    from ftbench import fault_free as fault_free_module
 
     calls = []
-    reference = run_module.fault_free_reference
+    reference = fault_free_module.fault_free_reference
 
     def counted(cfg, ctx, progress=False):
         calls.append(cfg.backend.dtype)
         return reference(cfg, ctx, progress=progress)
 
-    monkeypatch.setattr(run_module, "fault_free_reference", counted)
+    monkeypatch.setattr(fault_free_module, "fault_free_reference", counted)
     monkeypatch.setattr(fault_free, "_FLOORS", {})
     for strategy in ("recycle", "bamboo"):
         s = run(tmp_path / strategy, *CHECKED, *RECYCLE[2:], f"strategy={strategy}")

@@ -142,7 +142,7 @@ def test_time_based_failures_strike_where_they_fall_steps_included(tmp_path):
 def _engine(tmp_path, *overrides):
     from ftbench.cluster import Cluster
     from ftbench.context import RunContext
-    from ftbench.run import local_engine
+    from ftbench.assembly.local_engine import local_engine
     from ftbench.strategies import build_strategy
 
     cfg = compose(*LOCAL, *overrides)

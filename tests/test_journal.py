@@ -12,7 +12,8 @@ from ftbench.cli import compose
 from ftbench.context import RunContext
 from ftbench.journal import Journal, JournalError, verifies
 from ftbench.loop import run_loop
-from ftbench.run import _cluster_and_script, local_engine
+from ftbench.assembly.local_engine import local_engine
+from ftbench.job import cluster_and_script
 from ftbench.sim.cache import SimCache
 from ftbench.strategies import build_strategy
 
@@ -33,7 +34,7 @@ def _loop_parts(overrides, tmp_path):
     cfg = compose(SETUP + list(overrides))
     ctx = RunContext.from_config(cfg)
     ctx.run_dir = tmp_path
-    cluster, script = _cluster_and_script(cfg, ctx)
+    cluster, script = cluster_and_script(cfg, ctx)
     ctx.job_mtbf_s, ctx.failures_per_iteration = script.job_mtbf_s, script.failures_per_iteration
     return cfg, ctx, build_strategy(cfg.strategy, ctx), cluster, script
 

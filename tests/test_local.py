@@ -12,7 +12,7 @@ from ftbench.engine.deferred import WeightGradStore, make_deferrable
 from ftbench.engine.reference import train_single_process
 from ftbench.engine.worker import WorkerFailed
 from ftbench.equivalence import compare, load_state
-from ftbench.run import local_engine
+from ftbench.assembly.local_engine import local_engine
 from ftbench.models.data import make_source
 from ftbench.models.gpt import build_stage, lm_loss_sum
 from ftbench.strategies import build_strategy

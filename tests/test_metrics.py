@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ftbench.metrics import (
-    STATUSES, SUMMARY_KEYS, MetricsWriter, WandbSink, ettr, log_sweep_table, read_metrics, summary_ettr,
-    sweep_rows, wandb_group, write_summary,
-)
+from ftbench.metrics import STATUSES, SUMMARY_KEYS, MetricsWriter, ettr, read_metrics, summary_ettr, write_summary
+from ftbench.wandb_sink import WandbSink, log_sweep_table, sweep_rows, wandb_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +98,7 @@ def test_disabled_sink_never_imports_wandb(tmp_path):
     # A fresh interpreter: this test process may have imported wandb already.
     code = (
         "import sys, types\n"
-        "from ftbench.metrics import WandbSink\n"
+        "from ftbench.wandb_sink import WandbSink\n"
         "cfg = types.SimpleNamespace(mode='disabled', project='p', entity=None, group=None)\n"
         f"sink = WandbSink(cfg, {str(tmp_path)!r}, 'run', 'none', None, {{'a': 1}})\n"
         "sink.log({'iteration': 0, 'loss': 1.0})\n"
@@ -403,7 +401,7 @@ def test_offline_sink_writes_into_the_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     code = (
         "import types\n"
-        "from ftbench.metrics import WandbSink\n"
+        "from ftbench.wandb_sink import WandbSink\n"
         "cfg = types.SimpleNamespace(mode='offline', project='ftbench-test', entity=None, group=None)\n"
         f"sink = WandbSink(cfg, {str(run_dir)!r}, 'run', 'none', 'tests', {{'seed': 0}})\n"
         "for i in range(3):\n"
@@ -504,7 +502,7 @@ def offline_sweep(tmp_path_factory):
         f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
         "import conftest\n"
         "os.environ.pop('WANDB_MODE', None)\n"
-        "from ftbench.metrics import log_sweep_table\n"
+        "from ftbench.wandb_sink import log_sweep_table\n"
         "from ftbench.run import execute\n"
         f"sweep = Path({str(sweep)!r})\n"
         # execute's own echo: the summary is printed, for W&B's console log

@@ -44,7 +44,7 @@ def test_the_leader_merges_every_ranks_ops_once(tmp_path):
 
 
 def test_a_local_run_draws_its_measured_iteration_beside_the_model(tmp_path, monkeypatch):
-    import ftbench.run as run_module
+    import ftbench.gantt as gantt
 
     drawn = {}
 
@@ -53,7 +53,7 @@ def test_a_local_run_draws_its_measured_iteration_beside_the_model(tmp_path, mon
         path.write_bytes(b"png")
         return path
 
-    monkeypatch.setattr(run_module, "plot_gantt_panels", capture)
+    monkeypatch.setattr(gantt, "plot_gantt_panels", capture)
     summary = run(tmp_path, *LOCAL, "cluster.pp=2", "cluster.dp=1", "train.iterations=3", "strategy=none",
                   "failures=none", "report.gantt=true")
     assert summary["status"] == "ok" and (tmp_path / "gantt.png").exists()

@@ -8,11 +8,10 @@ import json
 import pytest
 
 from ftbench.metrics import SUMMARY_KEYS, write_summary
-from ftbench.report import (
-    DEFAULT_COLUMNS, KIND_COLOURS, bubble_fraction, format_summary, gantt_span, group_by_seed,
-    human_duration, load_runs, main, override_map, plot_gantt, plot_gantt_panels, run_clock,
-    runs_table, sweep_exit_code, swept_keys,
-)
+from ftbench.console import format_summary, human_duration
+from ftbench.gantt import KIND_COLOURS, bubble_fraction, gantt_span, plot_gantt, plot_gantt_panels
+from ftbench.report import DEFAULT_COLUMNS, group_by_seed, load_runs, main, override_map, run_clock, runs_table, swept_keys
+from ftbench.sweep_check import sweep_exit_code
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -148,7 +148,9 @@ def test_a_crash_keeps_metrics_and_summary(tmp_path, monkeypatch, crash):
     def boom(*args, **kwargs):
         raise crash
 
-    monkeypatch.setattr(run_module, "run_loop", boom)
+    import ftbench.assembly.sim as sim_run
+
+    monkeypatch.setattr(sim_run, "run_loop", boom)
     with pytest.raises(type(crash)):
         run_module.execute(compose(*MEDIUM, "report.progress=false"), tmp_path, echo=lambda *_: None)
     summary = json.loads((tmp_path / "summary.json").read_text())

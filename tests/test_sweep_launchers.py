@@ -244,9 +244,9 @@ def test_a_table_sweep_logs_its_paper_table_to_wandb_offline_in_the_sweeps_group
                   f"hydra.sweep.dir={sweep}", env=env)
     assert out.returncode == 0, out.stderr[-3000:]
 
-    # one group per sweep: the sweep folder's name with the date (ftbench.metrics.wandb_group)
+    # one group per sweep: the sweep folder's name with the date (ftbench.wandb_sink.wandb_group)
     assert load_yaml(sweep / "multirun.yaml").wandb.group is None
-    from ftbench.metrics import wandb_group
+    from ftbench.wandb_sink import wandb_group
     group = wandb_group(sweep.name, sweep)
     assert group.endswith("_sweep")
     runs = {}

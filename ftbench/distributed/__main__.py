@@ -66,11 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CODES.get(summary["status"], 1)
     try:  # the settings rank 0 refuses, the other ranks refuse too, instead of waiting for it
         from ftbench.context import RunContext
-        from ftbench.run import _clock
+        from ftbench.job import clock_of
         from ftbench.strategies import build_strategy
 
         ctx = RunContext.from_config(cfg)
-        check_config(cfg, build_strategy(cfg.strategy, ctx), _clock(cfg))
+        check_config(cfg, build_strategy(cfg.strategy, ctx), clock_of(cfg))
     except UserError as err:
         print(f"rank {rank}: {err}", file=sys.stderr)
         return 2

@@ -113,9 +113,9 @@ class LineWriter:
         self._file = open(path, "a", encoding="utf-8")
 
     def __call__(self, record: dict) -> None:
-        from ftbench.metrics import _dumps
+        from ftbench.metrics import dumps
 
-        self._file.write(_dumps(record) + "\n")
+        self._file.write(dumps(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -133,7 +133,8 @@ def start_method() -> str:
 def preload() -> None:
     """Import what every rank needs (torch, transformers, the engine) before forking."""
     import ftbench.distributed.engine  # noqa: F401
-    import ftbench.run  # noqa: F401
+    import ftbench.gantt  # noqa: F401
+    import ftbench.job  # noqa: F401
     import ftbench.strategies  # noqa: F401
 
 
@@ -282,12 +283,13 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     from ftbench.loop import run_loop
     from ftbench.models.data import make_source
     from ftbench.models.gpt import save_pretrained
-    from ftbench.run import _clock, _draw_gantt, _totals
+    from ftbench.gantt import draw_run_gantt
+    from ftbench.job import clock_of, totals
     from ftbench.sim.cache import SimCache
     from ftbench.strategies import build_strategy
 
     run_dir = Path(job["run_dir"])
-    clock = _clock(cfg)
+    clock = clock_of(cfg)
     cluster = Cluster.from_config(cfg.cluster)
     seed = cfg.failures.seed if cfg.failures.seed is not None else cfg.seed
     script = build_failure_script(cfg.failures, cluster.nodes, seed, iterations=ctx.iterations,
@@ -341,8 +343,8 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     if outcome.first_timeline is not None and cfg.report.gantt:
         from ftbench.engine.op_times import merged
 
-        _draw_gantt(outcome, timelines, run_dir, cfg, ctx, measured=merged(engine.op_timer.timed, run_dir))
-    result = {**_totals(outcome, ctx.global_batch), "losses": outcome.losses, "clock": clock, "threads": threads,
+        draw_run_gantt(outcome, timelines, run_dir, cfg, ctx, measured=merged(engine.op_timer.timed, run_dir))
+    result = {**totals(outcome, ctx.global_batch), "losses": outcome.losses, "clock": clock, "threads": threads,
               "peak_memory_bytes": [outcome.peak_memory_bytes[w] for w in sorted(outcome.peak_memory_bytes)],
               "final_state": None, "matches_fault_free": None, "processes": world,
               "process_group": pg_backend, "device": str(device), "measured_recoveries": backend.recoveries,

@@ -53,7 +53,7 @@ from operator import add, and_, eq, gt, not_
 
 from ftbench.costs import ADAM_STATE_BYTES_PER_PARAM
 from ftbench.layers import stage_units
-from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM
+from ftbench.actions import CHECKPOINT_BYTES_PER_PARAM
 from ftbench.transfers import piece, subtract_runs
 
 STAGE_PER = ("gpu", "node")  # strategy.stage_per

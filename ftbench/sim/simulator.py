@@ -131,7 +131,7 @@ class SimResult:
         return 1.0 - sum(self.busy.values()) / total if total > 0 else 0.0
 
     def timeline(self) -> list[dict]:
-        """Entries for ftbench.report.plot_gantt, all-reduces drawn on their member workers."""
+        """Entries for ftbench.gantt.plot_gantt, all-reduces drawn on their member workers."""
         rows = [{"worker": w, "kind": op.kind, "stage": op.stage, "pipeline": op.pipeline,
                  "microbatch": None if op.kind == OPT else op.microbatch, "start": s, "end": e}
                 for w, op, s, e in self.previous_ops + self.ops]
