@@ -263,7 +263,7 @@ def launch_nodes(job: dict, nodes: int, gpus_per_node: int, log, timeout: float,
     meeting in a store this process hosts; the leader's results. Past `deadline` every agent
     and its processes are stopped.
 
-    A RestartJob ends every process of the job (ftbench.distributed.engine: the leader first
+    A RestartJob ends every process of the job (ftbench.distributed.backend: the leader first
     writes the run loop's journal, ftbench.journal); when every agent has exited and the
     journal of that restart verifies, the job starts again: one new agent per node still up,
     whose processes keep their ranks and go on from the journal."""

@@ -142,7 +142,7 @@ class Fenced(MembershipError):
 
 def post_abort(store, rank: int, why: str) -> None:
     """Tell the job that this rank stops with an error (not a failure): whoever then finds it
-    silent stops the job too instead of recovering from it (ftbench.distributed.engine)."""
+    silent stops the job too instead of recovering from it (ftbench.distributed.backend)."""
     store.set(f"abort/{rank}", why)
 
 

@@ -3,7 +3,7 @@
 Run with `--max-restarts=K` and an elastic node count (`--nnodes=1:N`), torchrun's elastic
 agent on each node starts that node's processes again when they end with an error, after a
 new rendezvous of the agents still up. A RestartJob ends every process of the job that way
-(ftbench.distributed.engine: the leader writes the run loop's journal first), so the agents
+(ftbench.distributed.backend: the leader writes the run loop's journal first), so the agents
 start new ones, which must take the ranks their predecessors had: torchrun numbers them anew
 in each rendezvous, and a node that died is gone. Each process is known in the job's store by
 its host, its agent's process id (an agent lives across its workers' restarts) and its local

@@ -132,7 +132,7 @@ def start_method() -> str:
 
 def preload() -> None:
     """Import what every rank needs (torch, transformers, the engine) before forking."""
-    import ftbench.distributed.engine  # noqa: F401
+    import ftbench.distributed.backend  # noqa: F401
     import ftbench.gantt  # noqa: F401
     import ftbench.job  # noqa: F401
     import ftbench.strategies  # noqa: F401
@@ -275,7 +275,8 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     from ftbench.actions import FILE, SNAPSHOT
     from ftbench.checkpoint import CheckpointStore
     from ftbench.cluster import Cluster
-    from ftbench.distributed.engine import DistBackend, DistEngine
+    from ftbench.distributed.backend import DistBackend
+    from ftbench.distributed.engine import DistEngine
     from ftbench.distributed.faults import parse_kill, parse_stall
     from ftbench.distributed.transport import DistTransport
     from ftbench.engine.local import DTYPES
