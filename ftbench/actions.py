@@ -114,6 +114,25 @@ class LoadFromHost:
     nbytes: float = 0.0
 
 
+# The one dispatch of recovery actions, shared by every backend that performs them for real
+# (ftbench.engine.backend, ftbench.distributed.backend): action type -> the name of the
+# backend's method that performs it, called as method(action, recovery in progress).
+PERFORMERS = {SaveCheckpoint: "save_checkpoint", WaitForReplacement: "wait_for_replacement",
+              RestartJob: "restart_job", RestoreCheckpoint: "restore_checkpoint", Rendezvous: "rendezvous",
+              SyncFromPeers: "sync_from_peers", UndoSteps: "undo_steps", ReplayLogs: "replay_logs",
+              LoadFromHost: "load_from_host"}
+
+
+def performer(backend, action, name: str):
+    """The method of `backend` that performs `action`, through PERFORMERS; a TypeError naming
+    the backend (`name`) for an action it cannot perform."""
+    method = next((PERFORMERS[t] for t in type(action).__mro__ if t in PERFORMERS), None)
+    bound = getattr(backend, method, None) if method is not None else None
+    if bound is None:
+        raise TypeError(f"the {name} backend cannot perform {action!r}")
+    return bound
+
+
 # Every recovery action; a backend must handle each (tests/test_actions.py checks).
 ACTIONS = (SaveCheckpoint, WaitForReplacement, RestartJob, RestoreCheckpoint, Rendezvous, SyncFromPeers, UndoSteps,
            ReplayLogs, LoadFromHost)

@@ -132,3 +132,22 @@ def test_copies_spread_over_holders_as_the_plain_scan_would():
         assert copies == scanned(old, new, alive, ctx.cost_model)
         total += len(copies)
     assert total > 100  # sources chosen among several holders, again and again
+
+
+def test_one_table_dispatches_every_action_on_local_and_dist():
+    """local and dist perform recovery actions through one table (ftbench.actions.PERFORMERS):
+    it names every action, each backend defines every method it names, and an action outside
+    it is refused with the backend's name."""
+    from ftbench.actions import PERFORMERS, performer
+    from ftbench.distributed.backend import DistBackend
+
+    assert set(PERFORMERS) == set(ACTIONS)
+    for backend in (LocalBackend, DistBackend):
+        for method in PERFORMERS.values():
+            assert callable(getattr(backend, method, None)), (backend.__name__, method)
+
+    class Unknown:
+        pass
+
+    with pytest.raises(TypeError, match="the dist backend cannot perform"):
+        performer(object(), Unknown(), "dist")

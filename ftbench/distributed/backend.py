@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
-from ftbench.actions import FILE, MEMORY, SNAPSHOT
+from ftbench.actions import (FILE, MEMORY, SNAPSHOT, LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint,
+                             SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement, performer)
 from ftbench.distributed.engine import DistEngine
 from ftbench.distributed.faults import die, dies_in_recovery, dies_in_save, stall_here
 from ftbench.distributed.membership import log
@@ -20,6 +22,26 @@ from ftbench.distributed.transport import (DistAbort, DistError, UnannouncedDeat
                                            plan_crc)
 from ftbench.recovery_costs import SaveCost
 from ftbench.schedule import OPT
+
+AGREED = (WaitForReplacement, Rendezvous)  # done in a recovery's first attempt, not again after a death
+MOVE_NO_STATE = (WaitForReplacement, Rendezvous, UndoSteps)  # backend.kill=RANK:K:recovery dies at another
+
+
+@dataclass
+class Performing:
+    """A recovery in progress (DistBackend._perform): its plans and iteration, the phases
+    measured so far, the pending record, the deaths that interrupted it and the time they
+    cost; the action at hand (index, start); the iteration a restore went back to."""
+    old: object
+    new: object
+    iteration: int
+    phases: dict
+    pending: dict | None
+    lost: list | tuple
+    wasted: float
+    index: int = 0
+    started: float = 0.0
+    restored: int | None = None
 
 
 def _death(store, dead) -> float:
@@ -296,11 +318,10 @@ class DistBackend:
 
     def _perform(self, actions, old, new, iteration: int, phases: dict, pending, lost=(), first: int = 0,
                  wasted: float = 0.0) -> int | None:
-        from ftbench.actions import (LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint,
-                                     SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement)
         from ftbench.recovery_costs import action_seconds
 
-        engine, restored = self.engine, None
+        engine = self.engine
+        recovery = Performing(old, new, iteration, phases, pending, lost, wasted)
         # replacements and returning nodes alike; not the nodes that died in this recovery (the
         # strategy decides about them next)
         self._place(new, skip=set(_lost_nodes(lost)))
@@ -309,48 +330,15 @@ class DistBackend:
             if index < first:
                 continue  # done before the processes restarted
             started = time.perf_counter()
-            if isinstance(action, (WaitForReplacement, Rendezvous)) and lost:
+            if isinstance(action, AGREED) and lost:
                 continue  # waited for, or agreed, in the interrupted attempt
-            if dies and not isinstance(action, (WaitForReplacement, Rendezvous, UndoSteps)):
+            if dies and not isinstance(action, MOVE_NO_STATE):
                 die("backend.kill=RANK:ITERATION:recovery, as the recovery moves state")
-            if isinstance(action, WaitForReplacement):
-                if self.realtime and action.seconds:
-                    time.sleep(action.seconds)
-                name = "replacement_s"
-            elif isinstance(action, RestartJob):
-                if self.relaunch is not None and self._resumed is None:
-                    # every process of the job ends here; the launcher starts new ones, which go on below
-                    self._end_for_restart(index, iteration, phases, pending, list(lost), wasted)
-                engine.build(new)  # every worker's state from the initial weights
-                if self._resumed is not None:  # in the new processes: the restart's phases, measured
-                    phases.update(self._relaunched(time.perf_counter() - started))
-                    continue
-                name = "restart_s"
-            elif isinstance(action, RestoreCheckpoint):
-                restored = engine.restore(action.source, new)
-                if action.source == MEMORY:
-                    engine.commit(restored)  # what a worker restored is its commit now (as on local)
-                name = "state_transfer_s"
-            elif isinstance(action, SyncFromPeers):
-                engine.copy_replicas(action.copies, new)
-                name = "state_transfer_s"
-            elif isinstance(action, ReplayLogs):
-                engine.replay(new, action.workers, action.since, action.until, max(len(action.helpers), 1))
-                name = "replay_s"
-            elif isinstance(action, UndoSteps):
-                name = "undo_s"  # done when the failure struck (DistEngine.abandon_iteration)
-            elif isinstance(action, Rendezvous):
-                name = "rendezvous_s"  # the group of the survivors was built when they agreed
-            elif isinstance(action, LoadFromHost):
-                name = "state_transfer_s"  # the replica is in the worker's memory already (the model charges it)
-            elif isinstance(action, SaveCheckpoint):
-                self._save(old, iteration, action.mode)  # a death here interrupts the recovery
-                if engine.store is not None and engine.rank == engine.transport.leader:
-                    engine.store.wait()  # a restart must not begin before the files are complete
-                name = "checkpoint_s"
-            else:
-                raise TypeError(f"the dist backend cannot perform {action!r}")
-            phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
+            perform = performer(self, action, "dist")
+            recovery.index, recovery.started = index, started
+            name = perform(action, recovery)
+            if name is not None:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
         if dies:
             die("backend.kill=RANK:ITERATION:recovery, at the end (no action moved state)")
         engine.adopt(new)
@@ -364,7 +352,54 @@ class DistBackend:
             self.recoveries.append(record)
             self._first_after = record
         self._pending = None
-        return restored
+        return recovery.restored
+
+    # -- the recovery actions (ftbench.actions.PERFORMERS): each returns the phase it is measured in
+    def wait_for_replacement(self, action: WaitForReplacement, recovery: Performing) -> str:
+        if self.realtime and action.seconds:
+            time.sleep(action.seconds)
+        return "replacement_s"
+
+    def restart_job(self, action: RestartJob, recovery: Performing) -> str | None:
+        if self.relaunch is not None and self._resumed is None:
+            # every process of the job ends here; the launcher starts new ones, which go on below
+            self._end_for_restart(recovery.index, recovery.iteration, recovery.phases, recovery.pending,
+                                  list(recovery.lost), recovery.wasted)
+        self.engine.build(recovery.new)  # every worker's state from the initial weights
+        if self._resumed is not None:  # in the new processes: the restart's phases, measured
+            recovery.phases.update(self._relaunched(time.perf_counter() - recovery.started))
+            return None
+        return "restart_s"
+
+    def restore_checkpoint(self, action: RestoreCheckpoint, recovery: Performing) -> str:
+        recovery.restored = self.engine.restore(action.source, recovery.new)
+        if action.source == MEMORY:
+            self.engine.commit(recovery.restored)  # what a worker restored is its commit now (as on local)
+        return "state_transfer_s"
+
+    def sync_from_peers(self, action: SyncFromPeers, recovery: Performing) -> str:
+        self.engine.copy_replicas(action.copies, recovery.new)
+        return "state_transfer_s"
+
+    def replay_logs(self, action: ReplayLogs, recovery: Performing) -> str:
+        self.engine.replay(recovery.new, action.workers, action.since, action.until, max(len(action.helpers), 1))
+        return "replay_s"
+
+    def undo_steps(self, action: UndoSteps, recovery: Performing) -> str:
+        return "undo_s"  # done when the failure struck (EngineState.abandon_iteration)
+
+    def rendezvous(self, action: Rendezvous, recovery: Performing) -> str:
+        return "rendezvous_s"  # the group of the survivors was built when they agreed
+
+    def load_from_host(self, action: LoadFromHost, recovery: Performing) -> str:
+        return "state_transfer_s"  # the replica is in the worker's memory already (the model charges it)
+
+    def save_checkpoint(self, action: SaveCheckpoint, recovery: Performing) -> str:
+        engine = self.engine
+        self._save(recovery.old, recovery.iteration, action.mode)  # a death here interrupts the recovery
+        if engine.store is not None and engine.rank == engine.transport.leader:
+            engine.store.wait()  # a restart must not begin before the files are complete
+        return "checkpoint_s"
 
     def _end_for_restart(self, action: int, iteration: int, phases: dict, pending, lost: list,
                          wasted: float) -> None:

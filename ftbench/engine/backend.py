@@ -8,12 +8,22 @@ weights), checkpoint files written and read, state copied from peers.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from ftbench.actions import (MEMORY, LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint,
-                             SyncFromPeers, UndoSteps, WaitForReplacement)
+                             SyncFromPeers, UndoSteps, WaitForReplacement, performer)
 from ftbench.engine.local import LocalEngine
 from ftbench.plan import Plan
 from ftbench.recovery_costs import SaveCost
+
+
+@dataclass
+class Performing:
+    """A recovery in progress: its plans and iteration, and the iteration a restore went back to."""
+    old: Plan
+    new: Plan
+    iteration: int
+    restored: int | None = None
 
 
 class LocalBackend:
@@ -52,42 +62,53 @@ class LocalBackend:
         return self.engine.abandon_iteration()
 
     def perform(self, actions, old: Plan, new: Plan, iteration: int) -> int | None:
-        engine, restored = self.engine, None
+        """The recovery actions, one after the other, each by its method (ftbench.actions.PERFORMERS);
+        the iteration a restore went back to, or None."""
         self.charged = 0.0
+        recovery = Performing(old, new, iteration)
         for action in actions:
-            if isinstance(action, WaitForReplacement):
-                if self.realtime:
-                    time.sleep(action.seconds)
-            elif isinstance(action, RestartJob):
-                started = time.perf_counter()
-                engine.build(new)
-                if self.realtime:
-                    self.charged += max(0.0, self.restart_s - (time.perf_counter() - started))
-            elif isinstance(action, RestoreCheckpoint):
-                restored = engine.restore(action.source, new)
-                if action.source == MEMORY:
-                    # What a worker restored is its commit now: a worker that took another
-                    # stage in a reshape would otherwise hold none until the next commit.
-                    engine.save(restored, MEMORY)
-            elif isinstance(action, SyncFromPeers):
-                engine.copy_replicas(action.copies, new)
-            elif isinstance(action, ReplayLogs):
-                engine.adopt(new)  # the replacements' workers, fresh until the checkpoint loads
-                engine.replay(action.workers, action.since, action.until, max(len(action.helpers), 1))
-            elif isinstance(action, UndoSteps):
-                pass  # done when the failure struck (LocalEngine.abandon_iteration)
-            elif isinstance(action, Rendezvous):
-                pass  # one process: no communicators to rebuild (the modelled clock charges hardware.rendezvous_s)
-            elif isinstance(action, LoadFromHost):
-                pass  # the replica is in this process's memory already (the modelled clock charges the host link)
-            elif isinstance(action, SaveCheckpoint):
-                engine.save(iteration, action.mode)
-                if engine.store is not None:
-                    engine.store.wait()  # a restart must not begin before the files are complete
-            else:
-                raise TypeError(f"the local backend cannot perform {action!r}")
+            performer(self, action, "local")(action, recovery)
         self._use(new)
-        return restored
+        return recovery.restored
+
+    # -- the recovery actions (ftbench.actions.PERFORMERS) ----------------------------------
+    def wait_for_replacement(self, action: WaitForReplacement, recovery: Performing) -> None:
+        if self.realtime:
+            time.sleep(action.seconds)
+
+    def restart_job(self, action: RestartJob, recovery: Performing) -> None:
+        started = time.perf_counter()
+        self.engine.build(recovery.new)
+        if self.realtime:
+            self.charged += max(0.0, self.restart_s - (time.perf_counter() - started))
+
+    def restore_checkpoint(self, action: RestoreCheckpoint, recovery: Performing) -> None:
+        recovery.restored = self.engine.restore(action.source, recovery.new)
+        if action.source == MEMORY:
+            # What a worker restored is its commit now: a worker that took another
+            # stage in a reshape would otherwise hold none until the next commit.
+            self.engine.save(recovery.restored, MEMORY)
+
+    def sync_from_peers(self, action: SyncFromPeers, recovery: Performing) -> None:
+        self.engine.copy_replicas(action.copies, recovery.new)
+
+    def replay_logs(self, action: ReplayLogs, recovery: Performing) -> None:
+        self.engine.adopt(recovery.new)  # the replacements' workers, fresh until the checkpoint loads
+        self.engine.replay(action.workers, action.since, action.until, max(len(action.helpers), 1))
+
+    def undo_steps(self, action: UndoSteps, recovery: Performing) -> None:
+        pass  # done when the failure struck (EngineState.abandon_iteration)
+
+    def rendezvous(self, action: Rendezvous, recovery: Performing) -> None:
+        pass  # one process: no communicators to rebuild (the modelled clock charges hardware.rendezvous_s)
+
+    def load_from_host(self, action: LoadFromHost, recovery: Performing) -> None:
+        pass  # the replica is in this process's memory already (the modelled clock charges the host link)
+
+    def save_checkpoint(self, action: SaveCheckpoint, recovery: Performing) -> None:
+        self.engine.save(recovery.iteration, action.mode)
+        if self.engine.store is not None:
+            self.engine.store.wait()  # a restart must not begin before the files are complete
 
     def _use(self, plan: Plan) -> None:
         if self.engine.plan is not plan:
