@@ -3,7 +3,8 @@
 - `launch`: `ftbench backend=dist` starts the processes with PyTorch's elastic launcher;
   `python -m ftbench.distributed` is the same job under torchrun (multi-node).
 - `worker`: one process: its threads, its process group, the shared run loop.
-- `engine`: this rank's worker and its ops of the plan (the local backend's WorkerExecutor).
+- `engine`: this rank's worker and its ops of the plan (the local backend's WorkerExecutor, on
+  the engine state both backends share, ftbench.engine.state).
 - `backend`: the run loop's Backend protocol for one rank: strikes, detection and agreement,
   recovery actions and restarts.
 - `faults`: how a process dies, and the deaths and pauses backend.kill and backend.stall inject.

@@ -29,99 +29,58 @@ from ftbench.engine.log_file import replay_sources
 from ftbench.engine.transport import ACT
 from ftbench.errors import ResultError
 from ftbench.engine.executor import WorkerExecutor, in_chunk, sum_chunks, sync_members, take_grads
-from ftbench.engine.op_times import OpTimer, now as op_clock
-from ftbench.engine.worker import StageReplica, Worker
+from ftbench.engine.op_times import now as op_clock
+from ftbench.engine.state import EngineState, load_shards, newest_commits, on_cpu
+from ftbench.engine.worker import Worker
 from ftbench.layers import GradientSync, fragment_layout, model_layers, stage_units
-from ftbench.models.data import batch
-from ftbench.models.gpt import build_stage
-from ftbench.engine.local import (covers, fragment_writers, holding, load_shards, replica_units, replicas_agree,
-                                  to_device)
+from ftbench.engine.local import covers, fragment_writers, holding, replica_units, replicas_agree
 from ftbench.schedule import F, OPT, RSYNC, Op, dependency_graph, topological_order
 
 
-class DistEngine:
+class DistEngine(EngineState):
+    """This rank's worker (ftbench.engine.state.EngineState: `workers` holds it alone, or
+    nothing on a standby) and its ops of the plan, over the transport."""
+
     def __init__(self, ctx, data, lr: float, weight_decay: float, dtype: torch.dtype, transport: DistTransport,
                  device: torch.device, store=None, recompute: str = "none", undo: bool = False,
                  kill: tuple[int, int, int] | None = None, boundary_log=None):
-        self.ctx, self.data, self.lr, self.weight_decay = ctx, data, lr, weight_decay
         # Swift's boundary log (ftbench.engine.boundary_log): this rank's own BoundaryLog on the
         # run folder every rank shares, so a replay reads what the other ranks' workers sent
-        self.boundary_log = boundary_log
+        super().__init__(ctx, data, lr, weight_decay, dtype, store, boundary_log, device)
         # backend.unannounced=recover: an unannounced death rolls the survivors back to the start
         # of the iteration in flight (roll_back). Nothing is copied for it: every replica's
         # optimizer steps through its StepUndo (ftbench.engine.undo), which keeps the step's
         # gradient until the iteration completes, as scripted strikes after a step need too.
         self.undo = undo
-        # optimizer steps undone over the run by the whole job (abandoned iterations), as this
-        # rank learnt it: each strike's survivors sum their counts (DistBackend)
-        self.undone = 0
+        # `undone`: optimizer steps undone over the run by the whole job (abandoned iterations),
+        # as this rank learnt it: each strike's survivors sum their counts (DistBackend)
         self.kill = kill  # backend.kill: (rank, iteration, ops) where this job's chaos test dies
-        self.op_timer = OpTimer()  # this rank's ops in the first complete iteration of each plan (gantt.png)
         self.recompute = recompute  # train.recompute, as the local backend's executor takes it
-        self.dtype, self.transport, self.device, self.store = dtype, transport, device, store
+        self.transport = transport
         self.rank = transport.rank
-        self.worker: Worker | None = None
-        self.plan = None
         self._steps = None  # (plan key, steps, loss slots, members, syncs each OPT waits for)
         self._crc = (None, 0)  # (plan, its fingerprint)
-        self.peak_memory = 0
+        self.peak_memory = 0  # this rank's peak (its worker's, whichever worker it runs)
 
     # -- state ----------------------------------------------------------------------------
-    def build(self, plan) -> None:
-        if self.worker is not None:
-            self.worker.destroy()
-        self.worker = None
-        self.plan = None
-        self.adopt(plan)
+    @property
+    def worker(self) -> Worker | None:
+        """This rank's worker in the plan (None: it runs none, a standby)."""
+        return next(iter(self.workers.values()), None)
 
-    def adopt(self, plan) -> None:
-        """Continue with `plan`: this rank's worker keeps the replicas it still holds and
-        builds those it newly holds from the initial weights (as LocalEngine.adopt does)."""
+    def adopt(self, plan) -> list:
+        """Continue with `plan` (EngineState.adopt): this rank's worker keeps the replicas it
+        still holds and builds those it newly holds from the initial weights; a worker this
+        rank no longer runs is freed."""
         self.transport.prepare(plan)
         me = self.transport.worker
-        if me is None:
-            if self.worker is not None:
-                self.worker.destroy()
-            self.worker = None
-        else:
-            if self.worker is None or not self.worker.alive or self.worker.id != me:
-                self.worker = Worker(me)
-            wanted = {plan.layers(d, s): (d, s) for d, s in plan.holds.get(me, ())}
-            for layers in [k for k in self.worker.replicas if k not in wanted]:
-                self.worker.replicas.pop(layers).destroy()
-            for layers, (d, s) in wanted.items():
-                if layers not in self.worker.replicas:
-                    self.worker.replicas[layers] = self._replica(layers, s, plan.is_last_stage(d, s))
-        self.plan = plan
+        for w in [w for w in self.workers if w != me]:
+            self.workers.pop(w).destroy()
+        return super().adopt(plan)
 
-    def _replica(self, layers, stage: int, last: bool) -> StageReplica:
-        """A replica of `layers` (stage `stage`) from the initial weights."""
-        module = build_stage(self.ctx.spec, self.ctx.seed, *layers, stage == 0, last)
-        return StageReplica(stage, module.to(device=self.device, dtype=self.dtype), self.lr, self.weight_decay)
-
-    def keep(self):
-        """This rank's state before a recovery (its worker and each replica's weights, AdamW
-        state and in-memory commit, in host memory), for `revert` if a death interrupts it."""
-        if self.worker is None or not self.worker.alive:
-            return None
-        return self.worker.id, {layers: (r.stage, r.module.is_last, _on_cpu(r.shard()), _on_cpu(r.commit))
-                                for layers, r in self.worker.replicas.items()}
-
-    def revert(self, kept) -> None:
-        """Back to the state `keep` took: a recovery that a death interrupted starts again from
-        it (replicas the recovery dropped or rebuilt come back as they were)."""
-        self.abandon_iteration()
-        if self.worker is not None:
-            self.worker.destroy()
-        self.worker, self.plan = None, None
-        if kept is None:
-            return
-        worker, replicas = kept
-        self.worker = Worker(worker)
-        for layers, (stage, last, shard, commit) in replicas.items():
-            replica = self.worker.replicas[layers] = self._replica(layers, stage, last)
-            load_shards([replica], [shard], self.device)
-            replica.commit = to_device(commit, self.device)
+    def _holds(self, plan) -> dict:
+        me = self.transport.worker
+        return {} if me is None else {me: plan.holds.get(me, ())}
 
     # -- one iteration ----------------------------------------------------------------------
     def _plan_steps(self, plan):
@@ -175,7 +134,7 @@ class DistEngine:
         late = []
         if completed is not None:
             steps, late = self._cut_steps(steps, completed, opt_syncs)
-        tokens, normaliser = self._tokens(plan, iteration), self._normaliser
+        tokens, normaliser = self.tokens(plan, iteration), self.normaliser
         world = self.transport.world
         vector = torch.zeros(len(slots) + 2 * world, dtype=torch.float64, device=self.device)
         if self.worker is not None:
@@ -232,35 +191,12 @@ class DistEngine:
             loss += share  # the global order, as the local driver adds
         return float(loss)
 
-    def _tokens(self, plan, iteration: int):
-        """tokens(pipeline, microbatch) of `iteration` under `plan`, on this rank's device."""
-        schedule = plan.schedule
-        offsets = [sum(schedule.microbatches[:p]) for p in range(len(schedule.microbatches))]
-        b = self.ctx.microbatch_size
-
-        def tokens(pipeline: int, microbatch: int) -> torch.Tensor:
-            first = (offsets[pipeline] + microbatch) * b  # as LocalEngine.run_iteration: fixed by (seed, i)
-            return batch(self.data, iteration, range(first, first + b)).to(self.device)
-        return tokens
-
-    @property
-    def _normaliser(self) -> float:
-        return float(self.ctx.global_batch * (self.ctx.seq_len - 1))
-
-    def _track_memory(self) -> None:
-        """Weights, gradients, AdamW state and the undo's gradient copies (StepUndo.bytes),
-        which live from a replica's step to the iteration's end, plus the activations, plus
-        the boundary log's buffer of the iteration in flight (Swift), until it is written."""
-        state = sum(r.state_bytes() + r.undo.bytes() for r in self.worker.replicas.values())
+    def _record_memory(self, worker, state: int) -> None:
+        """This rank's peak, whichever worker it runs: device state and activations, plus the
+        boundary log's buffer of the iteration in flight (Swift), until it is written."""
         if self.boundary_log is not None:
-            state += self.boundary_log.buffered(self.worker.id)
-        self.peak_memory = max(self.peak_memory, state + self.worker.peak_activation_bytes)
-
-    def _commit_steps(self) -> None:
-        """The iteration's optimizer steps can no longer be abandoned: drop their undo records."""
-        if self.worker is not None and self.worker.alive:
-            for replica in self.worker.replicas.values():
-                replica.undo.clear()
+            state += self.boundary_log.buffered(worker.id)
+        self.peak_memory = max(self.peak_memory, state + worker.peak_activation_bytes)
 
     def roll_back(self) -> int:
         """An unannounced death cut the iteration in flight: drop it, and give every replica
@@ -269,22 +205,6 @@ class DistEngine:
         if not self.undo:
             raise DistError(f"rank {self.rank}: rolling back an iteration needs backend.unannounced=recover")
         return self.abandon_iteration()
-
-    def abandon_iteration(self) -> int:
-        """The iteration in flight is lost and will be redone: replicas that already took its
-        optimizer step undo it (ftbench.engine.undo), and its stash, deferred W, gradients and
-        every message and sum in flight are dropped. Returns the replicas undone here."""
-        undone = 0
-        if self.worker is not None and self.worker.alive:
-            for replica in self.worker.replicas.values():
-                if replica.undo.recorded:
-                    replica.undo.undo()
-                    undone += 1
-                replica.reset_iteration()
-        if self.boundary_log is not None:
-            self.boundary_log.discard_open()  # an abandoned iteration's sends are not logged
-        self.transport.clear()
-        return undone
 
     # -- recovery ---------------------------------------------------------------------------
     def restore(self, source: str, plan) -> int:
@@ -297,13 +217,10 @@ class DistEngine:
             mine = []
             if self.worker is not None and self.worker.alive:
                 mine = [r.commit for r in self.worker.replicas.values() if r.commit is not None]
-            everyone = t.all_gather_objects(_on_cpu(mine), "gather the in-memory commits")
+            everyone = t.all_gather_objects(on_cpu(mine), "gather the in-memory commits")
             commits = [c for part in everyone for c in part]
             self.adopt(plan)
-            if not commits:
-                raise ResultError("unrecoverable", "no in-memory commit survived the failure")
-            iteration = max(c["iteration"] for c in commits)
-            shards = [c["shard"] for c in commits if c["iteration"] == iteration]
+            iteration, shards = newest_commits(commits)
         else:
             if self.rank == t.leader and self.store is not None:
                 self.store.wait()  # a persist in flight completes before anyone reads
@@ -415,7 +332,7 @@ class DistEngine:
         _, _, members, _ = self._plan_steps(plan)
         transport = ReplayTransport(self.transport, self.boundary_log, workers, iteration)
         extra = {} if self.recompute == "none" else {"recompute": self.recompute}
-        executor = WorkerExecutor(self.worker, transport, plan, self._tokens(plan, iteration), self._normaliser,
+        executor = WorkerExecutor(self.worker, transport, plan, self.tokens(plan, iteration), self.normaliser,
                                   **extra)
 
         def run(step) -> None:
@@ -524,13 +441,8 @@ class DistEngine:
     # -- checkpoints and results ------------------------------------------------------------
     def my_shards(self, plan) -> dict:
         n = model_layers(plan.partition)
-        return {name: _on_cpu(self.worker.replica(layers).shard(units, n))
+        return {name: on_cpu(self.worker.replica(layers).shard(units, n))
                 for name, w, layers, units in fragment_writers(plan) if w == self.transport.worker}
-
-    def commit(self, iteration: int) -> None:
-        if self.worker is not None:
-            for replica in self.worker.replicas.values():
-                replica.commit = {"iteration": iteration, "shard": replica.shard()}
 
     def gather_final_state(self) -> dict | None:
         """The leader: the trained model (Hugging Face names), after checking that every replica
@@ -554,11 +466,6 @@ class DistEngine:
                         raise RuntimeError(f"replicas of {name} diverged (worker {w}, layers {layers})")
                     state.setdefault(name, p)
         return state
-
-
-def _on_cpu(obj):
-    """A shard with its tensors in host memory (what crosses processes as a pickled object)."""
-    return to_device(obj, torch.device("cpu"))
 
 
 class _CutTransport:

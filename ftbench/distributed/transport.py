@@ -648,7 +648,7 @@ def _pack(shard) -> torch.Tensor:
     import io
 
     buffer = io.BytesIO()
-    from ftbench.engine.local import to_device
+    from ftbench.engine.state import to_device
 
     torch.save(to_device(shard, torch.device("cpu")), buffer)
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)

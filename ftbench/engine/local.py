@@ -3,6 +3,9 @@
 `LocalEngine` builds workers for a plan, runs iterations through the `Executor`, destroys
 failed workers, and performs recovery actions for real: checkpoint files are written and
 read, in-memory commits are copied, replacements are waited for. It holds no strategy logic.
+The state mechanism it shares with the dist backend's engine (adopting a plan, an
+iteration's samples, undoing an abandoned iteration, commits, memory) is
+`ftbench.engine.state.EngineState`; what is its own is that every worker runs here.
 """
 from __future__ import annotations
 
@@ -18,13 +21,11 @@ from ftbench.checkpoint import CheckpointStore
 from ftbench.engine.boundary_log import BoundaryLog, LoggingTransport, ReplayTransport, unusable_replay
 from ftbench.engine.log_file import LogInvalid, replay_sources
 from ftbench.engine.executor import Executor, IterationResult
-from ftbench.engine.op_times import OpTimer
-from ftbench.engine.worker import StageReplica, Worker
+from ftbench.engine.state import EngineState, load_shards, newest_commits
+from ftbench.engine.worker import StageReplica
 from ftbench.errors import ReplayUnavailable, ResultError
 from ftbench.layers import fragment_layout, model_layers, stage_units
 from ftbench.plan import checkpoint_writers
-from ftbench.models.data import batch
-from ftbench.models.gpt import build_stage
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}  # the choices of backend.dtype
 
@@ -60,76 +61,26 @@ class SaveCost:
     persist_s: float  # then files are written in the background this long (0 when synchronous)
 
 
-class LocalEngine:
+class LocalEngine(EngineState):
+    """Every worker of the plan, in this process (ftbench.engine.state.EngineState)."""
+
     def __init__(self, ctx, data, lr: float, weight_decay: float, store: CheckpointStore | None,
                  dtype: str = "float32", boundary_log: BoundaryLog | None = None):
-        self.ctx, self.data, self.store = ctx, data, store
-        self.boundary_log = boundary_log  # where a plan's logged boundaries are written (Swift)
-        self.lr, self.weight_decay, self.dtype = lr, weight_decay, DTYPES[dtype]
-        self.workers: dict[int, Worker] = {}
+        super().__init__(ctx, data, lr, weight_decay, DTYPES[dtype], store, boundary_log)
         self.executor = Executor(self.workers, recompute=getattr(ctx, "recompute", "none"))  # train.recompute
-        self.plan = None
         self.peak_memory: dict[int, int] = {}  # worker -> peak bytes of device state (weights, grads, Adam, undo, activations)
         # worker -> peak bytes of what a strategy keeps in host memory besides: in-memory
         # commits (Elastic Horovod), snapshots until persisted (CheckFreq), the iteration's
         # boundary log until it is written (Swift)
         self.peak_host: dict[int, int] = {}
-        self.undone = 0  # optimizer steps undone over the run (abandoned iterations), all replicas
-        self.op_timer = OpTimer()  # the first complete iteration of each plan, op by op (gantt.png)
-
-    # -- building state -----------------------------------------------------------------
-    def _new_replica(self, plan, pipeline: int, stage: int) -> StageReplica:
-        first, end = plan.layers(pipeline, stage)
-        module = build_stage(self.ctx.spec, self.ctx.seed, first, end, stage == 0,
-                             plan.is_last_stage(pipeline, stage)).to(self.dtype)
-        return StageReplica(stage, module, self.lr, self.weight_decay)
-
-    def build(self, plan) -> None:
-        """Start `plan` from scratch: fresh workers with the initial weights (as new processes would)."""
-        for worker in self.workers.values():
-            worker.destroy()
-        self.workers.clear()
-        self.plan = None
-        self.adopt(plan)
-
-    def adopt(self, plan) -> list[tuple[int, tuple[int, int]]]:
-        """Continue with `plan`, keeping the replicas workers already hold; replicas a worker
-        newly needs start from the initial weights until a restore or copy fills them. Returns
-        those new (worker, layers)."""
-        created = []
-        for w, held in plan.holds.items():
-            worker = self.workers.get(w)
-            if worker is None or not worker.alive:
-                worker = self.workers[w] = Worker(w)
-            # Replicas are keyed by layer range: the same layers are the same state, whichever
-            # pipeline or stage index names them in `plan`.
-            wanted = {plan.layers(pipeline, stage): (pipeline, stage) for pipeline, stage in held}
-            for layers in [k for k in worker.replicas if k not in wanted]:
-                worker.replicas.pop(layers).destroy()  # layers the worker no longer holds are freed
-            for layers, (pipeline, stage) in wanted.items():
-                if layers not in worker.replicas:
-                    worker.replicas[layers] = self._new_replica(plan, pipeline, stage)
-                    created.append((w, layers))
-        self.plan = plan
-        return created
-
-    # -- training -----------------------------------------------------------------------
-    def tokens(self, iteration: int):
-        """tokens(pipeline, microbatch) of `iteration` under the current plan."""
-        schedule = self.plan.schedule
-        offsets = [sum(schedule.microbatches[:p]) for p in range(len(schedule.microbatches))]
-        b = self.ctx.microbatch_size
-
-        def tokens(pipeline: int, microbatch: int) -> torch.Tensor:
-            # The samples of iteration i are fixed by (seed, i): micro-batch k of pipeline p holds
-            # global samples (offset_p + k) * b ... + b - 1, whoever computes them.
-            first = (offsets[pipeline] + microbatch) * b
-            return batch(self.data, iteration, range(first, first + b))
-        return tokens
 
     @property
-    def normaliser(self) -> float:
-        return float(self.ctx.global_batch * (self.ctx.seq_len - 1))
+    def transport(self):
+        """The executor's transport between workers, in this process."""
+        return self.executor.transport
+
+    def _holds(self, plan) -> dict:
+        return plan.holds  # every worker of the plan runs here
 
     def run_iteration(self, iteration: int, completed: frozenset | None = None) -> IterationResult:
         """Run iteration `iteration` of the plan; with `completed` (ops closed under their
@@ -141,7 +92,8 @@ class LocalEngine:
         if log is not None and self.plan.logged:
             transport = LoggingTransport(self.executor.transport, log, self.plan.logged, iteration)
         timer = self.op_timer.begin(self.plan, iteration) if completed is None else None
-        result = self.executor.run(self.plan, self.tokens(iteration), self.normaliser, completed, transport, timer)
+        result = self.executor.run(self.plan, self.tokens(self.plan, iteration), self.normaliser, completed, transport,
+                                   timer)
         self._track_memory()  # with the steps' undo records, which live until the iteration completes
         if result.complete:
             if timer is not None:
@@ -176,45 +128,26 @@ class LocalEngine:
             for w in workers:
                 for layers in list(self.workers[w].replicas):
                     pipeline, stage = next((d, s) for d, s in self.plan.holds[w] if self.plan.layers(d, s) == layers)
-                    self.workers[w].replicas[layers] = self._new_replica(self.plan, pipeline, stage)
+                    self.workers[w].replicas[layers] = self._replica(layers, stage, self.plan.is_last_stage(pipeline, stage))
         else:
             load_shards(replicas, list(loaded[1].values()))
         try:
             for iteration in range(since, until):
                 transport = ReplayTransport(self.executor.transport, self.boundary_log, workers, iteration)
-                self.executor.replay(self.plan, self.tokens(iteration), self.normaliser, workers, transport, chunks)
+                self.executor.replay(self.plan, self.tokens(self.plan, iteration), self.normaliser, workers, transport,
+                                     chunks)
                 self._track_memory()
                 self._commit_steps()
         except LogInvalid as bad:  # changed on storage since it was checked: the replayed state is no good
             raise ReplayUnavailable(f"a boundary log stopped verifying during the replay: {bad}") from None
 
-    def _replicas(self):
-        """Every live replica."""
-        return [r for worker in self.workers.values() if worker.alive for r in worker.replicas.values()]
-
-    def _commit_steps(self) -> None:
-        """The iteration's optimizer steps can no longer be abandoned: drop their undo records."""
-        for replica in self._replicas():
-            replica.undo.clear()
-
     def ops_per_iteration(self) -> int:
         return sum(len(ops) for ops in self.plan.schedule.ops.values())
 
     def abandon_iteration(self) -> int:
-        """The iteration in flight is lost and will be redone: survivors whose replicas
-        already took its optimizer step undo it (ftbench.engine.undo: back to the iteration's
-        start), and drop its stash, deferred W and gradients. Returns the replicas undone."""
-        undone = 0
-        for replica in self._replicas():
-            if replica.undo.recorded:
-                replica.undo.undo()
-                undone += 1
-            replica.reset_iteration()
-        if self.boundary_log is not None:
-            self.boundary_log.discard_open()  # an abandoned iteration's sends are not logged
-        clear = getattr(self.executor.transport, "clear", None)
-        if clear is not None:
-            clear()  # messages and reductions in flight are lost with the iteration
+        """EngineState.abandon_iteration; every replica of the job is here, so this engine
+        counts the job's undone steps itself."""
+        undone = super().abandon_iteration()
         self.undone += undone
         return undone
 
@@ -223,15 +156,14 @@ class LocalEngine:
             if w in self.workers:
                 self.workers[w].destroy()
 
-    def _track_memory(self) -> None:
-        for w, worker in self.workers.items():
-            if worker.alive:
-                state = sum(r.state_bytes() + r.undo.bytes() for r in worker.replicas.values())
-                host = sum(tensor_bytes(r.commit) for r in worker.replicas.values())
-                if self.boundary_log is not None:
-                    host += self.boundary_log.buffered(w)  # the iteration's log, until it is written
-                self._host(w, host)
-                self.peak_memory[w] = max(self.peak_memory.get(w, 0), state + worker.peak_activation_bytes)
+    def _record_memory(self, worker, state: int) -> None:
+        """Per worker: device state and activations; in host memory, its in-memory commits and
+        the iteration's boundary log until it is written."""
+        host = sum(tensor_bytes(r.commit) for r in worker.replicas.values())
+        if self.boundary_log is not None:
+            host += self.boundary_log.buffered(worker.id)  # the iteration's log, until it is written
+        self._host(worker.id, host)
+        self.peak_memory[worker.id] = max(self.peak_memory.get(worker.id, 0), state + worker.peak_activation_bytes)
 
     def _host(self, worker: int, nbytes: int) -> None:
         self.peak_host[worker] = max(self.peak_host.get(worker, 0), nbytes)
@@ -248,9 +180,7 @@ class LocalEngine:
     def save(self, iteration: int, mode: str) -> SaveCost:
         started = time.perf_counter()
         if mode == MEMORY:
-            for w in self.plan.holds:
-                for replica in self.workers[w].replicas.values():
-                    replica.commit = {"iteration": iteration, "shard": replica.shard()}
+            self.commit(iteration)
             self._track_memory()  # the commits are host memory from now on
             return SaveCost(time.perf_counter() - started, 0.0)
         shards = {wr.name: self._shard(wr) for wr in self._writers()}
@@ -279,10 +209,7 @@ class LocalEngine:
             commits = [r.commit for worker in self.workers.values() if worker.alive
                        for r in worker.replicas.values() if r.commit is not None]
             self.adopt(plan)
-            if not commits:
-                raise ResultError("unrecoverable", "no in-memory commit survived the failure")
-            iteration = max(c["iteration"] for c in commits)  # older ones: workers that left the job
-            shards = [c["shard"] for c in commits if c["iteration"] == iteration]
+            iteration, shards = newest_commits(commits)
         else:
             self.adopt(plan)
             # Only a checkpoint whose every parameter has the shape this model needs is usable.
@@ -416,33 +343,6 @@ def holding(worker, units, n_layers: int):
 def covers(outer, inner) -> bool:
     """Whether the unit range `outer` contains `inner`."""
     return outer[0] <= inner[0] and inner[1] <= outer[1]
-
-
-def to_device(obj, device):
-    """Nested dicts and lists of tensors with every tensor detached and on `device`."""
-    if torch.is_tensor(obj):
-        return obj.detach().to(device)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_device(v, device) for v in obj]
-    return obj
-
-
-def load_shards(replicas, shards, device=None) -> None:
-    """Load checkpoint shards (or in-memory commits) into `replicas`, each taking its own
-    parameters and AdamW state from all of them together (moved to `device` when given).
-    Shared by the local and dist backends."""
-    model = {k: v for s in shards for k, v in s["model"].items()}
-    optim = {k: v for s in shards for k, v in s["optim"].items()}
-    if device is not None:
-        model, optim = to_device(model, device), to_device(optim, device)
-    for replica in replicas:
-        try:
-            replica.load(model, optim)
-        except KeyError as missing:
-            raise ResultError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
-                              "replica: every copy of it was lost") from None
 
 
 def fragment_writers(plan) -> list[tuple[str, int, tuple[int, int], tuple[int, int]]]:

@@ -1,0 +1,224 @@
+"""The training state an engine keeps, whichever backend runs it (`EngineState`).
+
+An engine holds the workers its process runs, each with one `StageReplica` per layer range
+(ftbench.engine.worker), and keeps them in step with the run:
+
+- `adopt` a plan: workers keep the replicas they still hold, build those they newly hold
+  from the initial weights, and free the rest (`build`: every worker from scratch);
+- `tokens`: the samples of an iteration, fixed by (seed, iteration) whoever computes them;
+- `abandon_iteration`: a failure cut the iteration in flight, so every replica that already
+  took its optimizer step undoes it (ftbench.engine.undo), and what the iteration left
+  behind (stash, deferred W, gradients, messages in flight, unsealed log records) goes;
+- `_commit_steps`: an iteration is over and its steps stand (their undo records go);
+  `commit`: an in-memory checkpoint (Elastic Horovod) of every replica;
+- `keep` and `revert`: a host copy of every replica before a recovery, and back to it when a
+  death interrupts the recovery;
+- `_track_memory`: each live worker's device state (weights, gradients, AdamW moments and
+  the undo's gradient copies) after its ops, recorded by the backend's `_record_memory`.
+
+Two engines build on it. `LocalEngine` (ftbench.engine.local) runs every worker of the plan
+in this process; `DistEngine` (ftbench.distributed.engine) runs one worker, its rank's, and
+reaches the others over its transport. What differs is theirs: which workers a process runs
+(`_holds`), how peaks are recorded, who counts the job's undone steps, and everything that
+moves state between workers.
+"""
+from __future__ import annotations
+
+import torch
+
+from ftbench.engine.op_times import OpTimer
+from ftbench.engine.worker import StageReplica, Worker
+from ftbench.errors import ResultError
+from ftbench.models.data import batch
+from ftbench.models.gpt import build_stage
+
+
+class EngineState:
+    """The workers of one process and their replicas (see the module's docstring). A subclass
+    says which workers its process runs (`_holds`), where its transport is (`transport`) and
+    how memory peaks are recorded (`_record_memory`)."""
+
+    transport = None  # what carries messages between workers (a subclass's); `clear` drops those in flight
+
+    def __init__(self, ctx, data, lr: float, weight_decay: float, dtype: torch.dtype, store=None,
+                 boundary_log=None, device: torch.device | None = None):
+        self.ctx, self.data, self.store = ctx, data, store
+        self.lr, self.weight_decay, self.dtype, self.device = lr, weight_decay, dtype, device
+        # Swift's boundary log (ftbench.engine.boundary_log): where the plan's logged boundaries go
+        self.boundary_log = boundary_log
+        self.workers: dict[int, Worker] = {}  # the workers this process runs
+        self.plan = None
+        self.undone = 0  # optimizer steps undone over the run (abandoned iterations), every replica of the job
+        self.op_timer = OpTimer()  # the first complete iteration of each plan, op by op (gantt.png)
+
+    # -- which state ------------------------------------------------------------------------
+    def _holds(self, plan) -> dict[int, list[tuple[int, int]]]:
+        """The workers this process runs in `plan`, each with the (pipeline, stage) it holds."""
+        raise NotImplementedError
+
+    def _replica(self, layers, stage: int, last: bool) -> StageReplica:
+        """A replica of `layers` (stage `stage`; `last`: with the head) from the initial weights."""
+        module = build_stage(self.ctx.spec, self.ctx.seed, *layers, stage == 0, last)
+        module = module.to(self.dtype) if self.device is None else module.to(device=self.device, dtype=self.dtype)
+        return StageReplica(stage, module, self.lr, self.weight_decay)
+
+    def build(self, plan) -> None:
+        """Start `plan` from scratch: fresh workers with the initial weights (as new processes would)."""
+        for worker in self.workers.values():
+            worker.destroy()
+        self.workers.clear()
+        self.plan = None
+        self.adopt(plan)
+
+    def adopt(self, plan) -> list[tuple[int, tuple[int, int]]]:
+        """Continue with `plan`, keeping the replicas workers already hold; replicas a worker
+        newly needs start from the initial weights until a restore or copy fills them. Returns
+        those new (worker, layers)."""
+        created = []
+        for w, held in self._holds(plan).items():
+            worker = self.workers.get(w)
+            if worker is None or not worker.alive:
+                worker = self.workers[w] = Worker(w)
+            # Replicas are keyed by layer range: the same layers are the same state, whichever
+            # pipeline or stage index names them in `plan`.
+            wanted = {plan.layers(pipeline, stage): (pipeline, stage) for pipeline, stage in held}
+            for layers in [k for k in worker.replicas if k not in wanted]:
+                worker.replicas.pop(layers).destroy()  # layers the worker no longer holds are freed
+            for layers, (pipeline, stage) in wanted.items():
+                if layers not in worker.replicas:
+                    worker.replicas[layers] = self._replica(layers, stage, plan.is_last_stage(pipeline, stage))
+                    created.append((w, layers))
+        self.plan = plan
+        return created
+
+    def _replicas(self) -> list[StageReplica]:
+        """Every live replica of this process."""
+        return [r for worker in self.workers.values() if worker.alive for r in worker.replicas.values()]
+
+    # -- an iteration ---------------------------------------------------------------------------
+    def tokens(self, plan, iteration: int):
+        """tokens(pipeline, microbatch) of `iteration` under `plan` (on this engine's device)."""
+        schedule = plan.schedule
+        offsets = [sum(schedule.microbatches[:p]) for p in range(len(schedule.microbatches))]
+        b = self.ctx.microbatch_size
+        device = self.device
+
+        def tokens(pipeline: int, microbatch: int) -> torch.Tensor:
+            # The samples of iteration i are fixed by (seed, i): micro-batch k of pipeline p holds
+            # global samples (offset_p + k) * b ... + b - 1, whoever computes them.
+            first = (offsets[pipeline] + microbatch) * b
+            samples = batch(self.data, iteration, range(first, first + b))
+            return samples if device is None else samples.to(device)
+        return tokens
+
+    @property
+    def normaliser(self) -> float:
+        """What the summed token losses are divided by: the global batch's mean loss."""
+        return float(self.ctx.global_batch * (self.ctx.seq_len - 1))
+
+    def _commit_steps(self) -> None:
+        """The iteration's optimizer steps can no longer be abandoned: drop their undo records."""
+        for replica in self._replicas():
+            replica.undo.clear()
+
+    def abandon_iteration(self) -> int:
+        """The iteration in flight is lost and will be redone: replicas that already took its
+        optimizer step undo it (ftbench.engine.undo: back to the iteration's start), and its
+        stash, deferred W, gradients and every message and sum in flight are dropped. Returns
+        the replicas undone here."""
+        undone = 0
+        for replica in self._replicas():
+            if replica.undo.recorded:
+                replica.undo.undo()
+                undone += 1
+            replica.reset_iteration()
+        if self.boundary_log is not None:
+            self.boundary_log.discard_open()  # an abandoned iteration's sends are not logged
+        clear = getattr(self.transport, "clear", None)
+        if clear is not None:
+            clear()  # messages and reductions in flight are lost with the iteration
+        return undone
+
+    # -- memory ---------------------------------------------------------------------------------
+    def _track_memory(self) -> None:
+        """Each live worker's device state: weights, gradients, AdamW state and the undo's
+        gradient copies (StepUndo.bytes), which live from a replica's step to the iteration's
+        end; the backend records it with the worker's activations (`_record_memory`)."""
+        for worker in self.workers.values():
+            if worker.alive:
+                self._record_memory(worker, sum(r.state_bytes() + r.undo.bytes() for r in worker.replicas.values()))
+
+    def _record_memory(self, worker: Worker, state: int) -> None:
+        raise NotImplementedError
+
+    # -- commits and host copies ----------------------------------------------------------------
+    def commit(self, iteration: int) -> None:
+        """An in-memory commit of `iteration` (Elastic Horovod): every replica of the plan here
+        keeps a copy of its weights and AdamW state."""
+        for w, worker in self.workers.items():
+            if w in self.plan.holds:
+                for replica in worker.replicas.values():
+                    replica.commit = {"iteration": iteration, "shard": replica.shard()}
+
+    def keep(self) -> dict:
+        """This process's state before a recovery (each live worker's replicas: weights, AdamW
+        state and in-memory commit, in host memory), for `revert` if a death interrupts it."""
+        return {w: {layers: (r.stage, r.module.is_last, on_cpu(r.shard()), on_cpu(r.commit))
+                    for layers, r in worker.replicas.items()}
+                for w, worker in self.workers.items() if worker.alive}
+
+    def revert(self, kept: dict) -> None:
+        """Back to the state `keep` took: a recovery that a death interrupted starts again from
+        it (replicas the recovery dropped or rebuilt come back as they were)."""
+        self.abandon_iteration()
+        for worker in self.workers.values():
+            worker.destroy()
+        self.workers.clear()
+        self.plan = None
+        for w, replicas in kept.items():
+            worker = self.workers[w] = Worker(w)
+            for layers, (stage, last, shard, commit) in replicas.items():
+                replica = worker.replicas[layers] = self._replica(layers, stage, last)
+                load_shards([replica], [shard], self.device)
+                replica.commit = to_device(commit, self.device)
+
+
+def newest_commits(commits: list[dict]) -> tuple[int, list[dict]]:
+    """The iteration of the newest in-memory commits and their shards (older ones: workers that
+    left the job); unrecoverable when no commit survived."""
+    if not commits:
+        raise ResultError("unrecoverable", "no in-memory commit survived the failure")
+    iteration = max(c["iteration"] for c in commits)
+    return iteration, [c["shard"] for c in commits if c["iteration"] == iteration]
+
+
+def to_device(obj, device):
+    """Nested dicts and lists of tensors with every tensor detached and on `device`."""
+    if torch.is_tensor(obj):
+        return obj.detach().to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_device(v, device) for v in obj]
+    return obj
+
+
+def on_cpu(obj):
+    """A shard with its tensors in host memory (what crosses processes as a pickled object)."""
+    return to_device(obj, torch.device("cpu"))
+
+
+def load_shards(replicas, shards, device=None) -> None:
+    """Load checkpoint shards (or in-memory commits) into `replicas`, each taking its own
+    parameters and AdamW state from all of them together (moved to `device` when given).
+    Shared by the local and dist backends."""
+    model = {k: v for s in shards for k, v in s["model"].items()}
+    optim = {k: v for s in shards for k, v in s["optim"].items()}
+    if device is not None:
+        model, optim = to_device(model, device), to_device(optim, device)
+    for replica in replicas:
+        try:
+            replica.load(model, optim)
+        except KeyError as missing:
+            raise ResultError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
+                              "replica: every copy of it was lost") from None
