@@ -16,7 +16,7 @@ from ftbench.actions import FILE, MEMORY, SNAPSHOT, RestoreCheckpoint
 from ftbench.context import RunContext
 from ftbench.costs import PlanCosts
 from ftbench.plan import checkpoint_writers, generated_grid_plan, grid_plan
-from ftbench.recovery_costs import _most_replica_bytes, _node_bytes, _replica_bytes, action_seconds, save_cost
+from ftbench.recovery_costs import _node_bytes, action_seconds, most_replica_bytes, replica_bytes, save_cost
 from ftbench.schedule import generate
 from ftbench.sim.backend import SimBackend
 
@@ -72,7 +72,7 @@ def test_recovery_costs_of_a_grid_equal_the_per_worker_ones(schedule, pp, counts
     model = ctx.cost_model
     plan = generated_grid_plan(schedule, pp, counts, model.balanced_partition(pp), workers, lambda w: w // 3)
     general = _not_a_grid(plan)
-    assert _most_replica_bytes(plan, model) == max(_replica_bytes(general, model).values())
+    assert most_replica_bytes(plan, model) == max(replica_bytes(general, model).values())
     assert list(_node_bytes(plan, model).items()) == list(_node_bytes(general, model).items())
     assert checkpoint_writers(plan) == checkpoint_writers(general)
     for mode in (FILE, SNAPSHOT, MEMORY):
@@ -110,8 +110,8 @@ def test_a_plan_whose_holds_were_replaced_is_no_grid():
     assert plan.grid() is not None
     moved = dataclasses.replace(plan, holds={**plan.holds, 0: ((0, 0), (1, 0))})
     assert moved.grid() is None
-    assert max(_replica_bytes(moved, ctx.cost_model).values()) == _most_replica_bytes(moved, ctx.cost_model)
-    assert _most_replica_bytes(moved, ctx.cost_model) > _most_replica_bytes(plan, ctx.cost_model)
+    assert max(replica_bytes(moved, ctx.cost_model).values()) == most_replica_bytes(moved, ctx.cost_model)
+    assert most_replica_bytes(moved, ctx.cost_model) > most_replica_bytes(plan, ctx.cost_model)
 
 
 def test_elastic_horovod_keeps_stages_on_grids_as_worker_by_worker():
