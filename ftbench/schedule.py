@@ -15,7 +15,7 @@ import marshal
 import struct
 from array import array
 from collections import Counter, defaultdict, deque
-from itertools import chain
+from itertools import chain, repeat
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
@@ -314,9 +314,10 @@ class Schedule:
         ops = self.ops
         parts = ops.parts() if isinstance(ops, GridOps) else None
         if parts is not None:  # bound templates: per part its flows, and (worker, template) records
-            flows = key_bytes(tuple((tuple(f.pipelines), tuple(map(tuple, f.microbatches))) for f, _ in parts))
-            records = array("q", chain.from_iterable(chain.from_iterable(members) for _, members in parts))
-            sizes = array("q", [len(members) for _, members in parts])
+            flows = _flows_bytes(parts)
+            members = list(map(_second, parts))
+            records = array("q", chain.from_iterable(chain.from_iterable(members)))
+            sizes = array("q", list(map(len, members)))
             return ("parts", key_bytes((self.stages, self.microbatches, ops.templates)), flows,
                     sizes.tobytes(), records.tobytes())
         if isinstance(ops, GridOps):
@@ -331,6 +332,19 @@ class Schedule:
             return ("grid", key_bytes((self.stages, self.microbatches, ops.templates, given)), records)
         return (self.stages, self.microbatches,
                 tuple((w, tuple(self.ops[w])) for w in self.workers))
+
+
+def _flows_bytes(parts) -> bytes:
+    """key_bytes of every part's flows as plain tuples, (pipelines, micro-batches per
+    pipeline). Where they are tuples already (ReCycle's parts: thousands a plan at scale), each
+    PartFlows made a plain tuple is that value, converted in bulk; marshal writes equal values
+    alike (key_bytes), so the bytes are the same."""
+    flows = list(map(_first, parts))
+    pipelines, microbatches = list(map(_first, flows)), list(map(_second, flows))
+    if set(map(type, pipelines)) | set(map(type, microbatches)) | set(map(type, chain.from_iterable(microbatches))) \
+            <= {tuple}:
+        return key_bytes(tuple(map(tuple, flows)))
+    return key_bytes(tuple((tuple(f.pipelines), tuple(map(tuple, f.microbatches))) for f in flows))
 
 
 def dependencies(schedule: Schedule, op: Op, layout: Layout | None = None, has=None) -> list:
@@ -404,7 +418,7 @@ def _coverage_problems(schedule: Schedule) -> list[str]:
     if isinstance(schedule.ops, GridOps):
         parts = schedule.ops.parts()
         if parts is not None:
-            return _part_coverage_problems(schedule, parts)
+            return [] if parts_cover(schedule, parts) else part_coverage_problems(schedule, parts)
         if _grid_covered(schedule):
             return []
         if schedule.ops.split_forms()[1]:
@@ -439,7 +453,69 @@ def _mixed_coverage_problems(schedule: Schedule) -> list[str]:
     return _problems_of(schedule, counts, sorted(mixed), stepped)
 
 
-def _part_coverage_problems(schedule: Schedule, parts) -> list[str]:
+def parts_cover(schedule: Schedule, parts) -> bool:
+    """Whether part_coverage_problems finds nothing wrong with these bound parts: True only
+    where it would find no problem, False where it would (then it says what). The same checks,
+    with the steps gathered per shape of part and the flows counted in bulk (a large plan has
+    thousands of parts and tens of thousands of flows)."""
+    n = len(schedule.stages)
+    stages, counts_of, templates = schedule.stages, schedule.microbatches, schedule.ops.templates
+    uniform = stages.count(stages[0]) == n if n else True
+    local_ok: dict[tuple, tuple[list[str], list]] = {}
+    ranked: dict[tuple, tuple] = {}
+    stage_rows: dict[int, tuple] = {}
+    named_by: dict[int, list] = {}  # id of a shape's (problems, steps) -> the pipelines of its parts
+    flow_pipes, flow_mbs = [], []
+    for flows, members in parts:
+        pipes, mbs = flows
+        if len(set(pipes)) != len(pipes) or len(mbs) != len(pipes) or min(pipes) < 0 or max(pipes) >= n:
+            return False
+        tids = tuple(map(_second, members))
+        order = ranked.get(tids) or ranked.setdefault(tids, tuple(sorted(tids)))
+        if uniform:
+            row = stage_rows.get(len(pipes)) or stage_rows.setdefault(len(pipes), tuple(map(stages.__getitem__, pipes)))
+        else:
+            row = tuple(map(stages.__getitem__, pipes))
+        shape = (order, row, tuple(map(len, mbs)))
+        found = local_ok.get(shape)
+        if found is None:
+            found = local_ok[shape] = _shape_coverage(templates, *shape)
+            if found[0]:
+                return False
+            named_by[id(found)] = []
+        named_by[id(found)].append(pipes)
+        flow_pipes += pipes
+        flow_mbs += mbs
+    # each stage of each pipeline stepped once, by one of its replicas (a pipeline of its length)
+    stepped: list[tuple[int, int]] = []
+    for found in local_ok.values():
+        named = named_by[id(found)]
+        for p, st in found[1]:
+            stepped.extend(zip(map(itemgetter(p), named), repeat(st)))
+    distinct = set(stepped)
+    if len(distinct) != len(stepped):
+        return False
+    at = {(stages[d], st) for d, st in distinct} if len(set(stages)) > 1 else \
+        {(stages[0], st) for st in set(map(_second, distinct))}
+    if any((count, st) not in at for count in set(stages) for st in range(count)):
+        return False
+    # every flow run once: a whole pipeline by one part, or each of its micro-batches by one
+    full = list(map(eq, map(len, flow_mbs), map(counts_of.__getitem__, flow_pipes)))
+    wholes, shared = set(), defaultdict(list)
+    for d, ks, whole in zip(flow_pipes, flow_mbs, full):
+        if whole and ks == identity(len(ks)):
+            if d in wholes:
+                return False
+            wholes.add(d)
+        else:
+            shared[d] += ks
+    for d, ks in shared.items():
+        if d in wholes and ks or d not in wholes and sorted(ks) != list(identity(counts_of[d])):
+            return False
+    return len(wholes) + len(shared.keys() - wholes) == n
+
+
+def part_coverage_problems(schedule: Schedule, parts) -> list[str]:
     """Coverage of bound parts (GridOps.parts): each shape (its templates, with each local
     pipeline's stage and micro-batch counts) runs each of its local flows whole, checked once
     as a small schedule; then every real flow belongs to exactly one part (a whole pipeline at
@@ -504,7 +580,7 @@ def _part_coverage_problems(schedule: Schedule, parts) -> list[str]:
     return problems
 
 
-_second = itemgetter(1)
+_first, _second = itemgetter(0), itemgetter(1)
 
 
 def _flow_problems(d: int, ks: list[int], count: int, whole: int) -> list[str]:

@@ -37,7 +37,6 @@ so stepping each stage as soon as its all-reduce ends is exactly the synchronous
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from itertools import repeat
 
 from ftbench.actions import FILE, Rendezvous, SyncFromPeers
@@ -52,6 +51,7 @@ from ftbench.release import releases_of
 from ftbench.planning.library import METHODS, PlanLibrary, forms_up_to
 from ftbench.planning.problem import (NORMALISE, PlanningError, Renaming, canonical_failed, form_of, normalise,
                                       problem_for, rename_onto)
+from ftbench.planning.whole import WholeRenamings
 from ftbench.schedule import NO_MICROBATCH, OPT, GridOps, Op, PartFlows, Schedule, grid_worker
 from ftbench.sim.simulator import simulate
 from ftbench.transfers import peer_copies
@@ -176,38 +176,16 @@ class ReCycle(CheckpointRestart):
         the workers that make gradients (the same number), and an idle worker's step ends no
         later than those of its stage's workers that run ops. So the simulator times the
         reference once, and each plan is the reference's, patched where workers moved."""
-        pp = self.cluster.pp
         ref = self._reference(stored, most)
-        ops, holds, node_of = ref.plan.schedule.ops, ref.plan.holds, ref.plan.node_of
-        down = defaultdict(list)
-        for d, s in self.failed:
-            down[s].append(d)
-        renamed, owners, absent = {}, {}, set()
-        for s, failed in down.items():
-            absent.update(d * pp + s for d in failed)
-            lost = set(failed)
-            free = [i for i in range(most) if i not in lost]  # canonically failed, alive
-            beyond = sorted(d for d in failed if d >= most)  # failed, canonically alive
-            for i, d in zip(free, beyond):  # real worker i runs canonical pipeline d's work
-                w, r = i * pp + s, d * pp + s
-                renamed[w], owners[w] = r, d
-        of = dict(ops.of)
-        of.update((w, ops.of[r]) for w, r in renamed.items())
-        for w in absent:
-            del of[w]
+        tables = ref.renamings.tables(self.failed)  # (patched from the last set's: ftbench.planning.whole)
         # (its parts are left for GridOps.parts to find when someone reads them: the cache times
         # the plan as its reference, so most renamed plans are never split into parts)
-        grid = GridOps(ops.templates, of)
-        holds = dict(holds)
-        holds.update((w, holds[r]) for w, r in renamed.items())
-        node_of = dict(node_of)
-        for w in absent:
-            del holds[w], node_of[w]
+        grid = GridOps(ref.plan.schedule.ops.templates, tables.of)
         schedule = Schedule(grid, stages=ref.plan.schedule.stages, microbatches=ref.plan.schedule.microbatches,
-                            name=ref.plan.schedule.name, released=self.releases.with_owners(owners))
-        plan = Plan(schedule=schedule, partition=ref.plan.partition, holds=holds, node_of=node_of,
+                            name=ref.plan.schedule.name, released=self.releases.with_owners(tables.owners))
+        plan = Plan(schedule=schedule, partition=ref.plan.partition, holds=tables.holds, node_of=tables.node_of,
                     name=f"recycle-{self.level} ({label})", staggered_optimizer=ref.plan.staggered_optimizer)
-        plan.same_timing = SameTiming(ref.plan, renamed, frozenset(absent), schedule, holds, node_of)
+        plan.same_timing = SameTiming(ref.plan, tables.renamed, tables.absent, schedule, tables.holds, tables.node_of)
         return plan
 
     def _reference(self, stored, most: int) -> "_Reference":
@@ -220,7 +198,7 @@ class ReCycle(CheckpointRestart):
             dead = canonical_failed(stored.form)
             plan = self._renamed(stored, Renaming((identity,) * pp, identity, dead), f"{most} whole pipelines",
                                  idle=dead)
-            found = self._references[stored.form] = _Reference(stored, plan)
+            found = self._references[stored.form] = _Reference(stored, plan, most)
             while len(self._references) > 4:
                 self._references.pop(next(iter(self._references)))
         return found
@@ -329,11 +307,12 @@ def _hops_within_nodes(cluster: Cluster) -> bool:
 
 
 class _Reference:
-    """A reference plan of whole failed pipelines (ReCycle._reference) and the stored plan it
-    renames."""
+    """A reference plan of whole failed pipelines (ReCycle._reference), the stored plan it
+    renames, and its renamings onto the real failure sets."""
 
-    def __init__(self, stored, plan: Plan):
+    def __init__(self, stored, plan: Plan, most: int):
         self.stored, self.plan = stored, plan
+        self.renamings = WholeRenamings(plan.schedule.ops.of, plan.holds, plan.node_of, plan.schedule.stages[0], most)
 
 
 def _coupled_ops(problem) -> int:

@@ -15,7 +15,7 @@ part on its own gives.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -122,8 +122,9 @@ def _whole_pipelines(problem: PlanningProblem) -> bool:
     """Whether every failed position's pipeline lost all of its stages (a node per pipeline):
     then every re-routed micro-batch stays on one peer at every stage, and every part is one
     surviving pipeline with the foreign micro-batches it took."""
-    failed = problem.failed
-    return all((d, s) in failed for d, _ in failed for s in range(problem.pp))
+    # (failed positions are distinct and inside the grid: a pipeline lost all of its stages
+    # when pp of them name it, counted in C)
+    return all(count == problem.pp for count in Counter(map(itemgetter(0), problem.failed)).values())
 
 
 def _split_pipelines(problem: PlanningProblem) -> list[tuple[PartProblem, list[Part]]]:

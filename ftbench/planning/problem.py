@@ -20,10 +20,11 @@ import hashlib
 import itertools
 import json
 import math
-from itertools import repeat
+from itertools import filterfalse, repeat
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+from operator import itemgetter
 
 from ftbench.layers import stage_units
 from ftbench.placement import node_of
@@ -98,7 +99,17 @@ class PlanningProblem:
 
     @cached_property
     def _survivors(self) -> list[list[int]]:
-        return [[d for d in range(self.dp) if (d, s) not in self.failed] for s in range(self.pp)]
+        lost = self._lost
+        return [list(filterfalse(set(lost[s]).__contains__, range(self.dp))) for s in range(self.pp)]
+
+    @cached_property
+    def _lost(self) -> list[list[int]]:
+        """Per stage, the failed pipelines in order (one pass over the failed positions: a plan
+        of whole failed pipelines at scale has thousands)."""
+        lost: list[list[int]] = [[] for _ in range(self.pp)]
+        for d, s in sorted(self.failed):
+            lost[s].append(d)
+        return lost
 
     @cached_property
     def workers(self) -> list[Position]:
@@ -127,7 +138,7 @@ class PlanningProblem:
         (a node per pipeline) re-route alike at every stage."""
         out, memo = [], {}
         for s in range(self.pp):
-            failed = tuple(d for d, _ in sorted(p for p in self.failed if p[1] == s))
+            failed = tuple(self._lost[s])
             if failed not in memo:
                 memo[failed] = _reroute(failed, self.survivors(s), self.microbatches, self.dp)
             out.append(memo[failed])
@@ -373,10 +384,10 @@ LAYOUT_FAILURES = 6
 
 def stage_form(failed, pp: int) -> StageForm:
     """The per-stage normal form of a failure configuration: failed workers per stage."""
-    counts = [0] * pp
-    for _, s in failed:
-        counts[s] += 1
-    return StageForm(counts)
+    counts = Counter(map(itemgetter(1), failed))  # (counted in C: asked at every failure, thousands at scale)
+    if not counts.keys() <= set(range(pp)):
+        raise ValueError(f"failed stages {sorted(counts)} outside a pipeline of {pp} stages")
+    return StageForm(map(counts.__getitem__, range(pp)))
 
 
 def form_of(failed, dp: int, pp: int, by: str = "stage"):

@@ -6,12 +6,13 @@ and turns a plan that does not fit the GPUs' memory into an `oom` result.
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import gt
+from operator import gt, itemgetter
 
 from ftbench.actions import (LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
                              UndoSteps, WaitForReplacement)
 from ftbench.errors import ResultError
 from ftbench.plan import Plan
+from ftbench.sim.cache import RenamedResult
 from ftbench.sim.simulator import SimResult
 
 
@@ -38,6 +39,7 @@ class SimBackend:
         self.saved: list[int] = []  # iterations of the checkpoints that exist (newest few)
         self._peak: dict[int, float] = {}
         self._checked: tuple[SimResult, str | None] | None = None  # the last result checked, and its answer
+        self._renamings: _Renamings | None = None  # peaks of the last reference renamed plans time out as
 
     def start(self, plan: Plan) -> None:
         self.saved = []
@@ -94,6 +96,8 @@ class SimBackend:
         return problem
 
     def _check_memory(self, result: SimResult, extra: dict | None = None, plan: Plan | None = None) -> str | None:
+        if not extra and isinstance(result, RenamedResult) and self._fold_renamed(result):
+            return None
         workers, peaks = _peak_columns(result)
         if extra:
             peaks = [peak + extra.get(w, 0.0) for w, peak in zip(workers, peaks)]
@@ -118,11 +122,55 @@ class SimBackend:
         return (f"out of memory: worker {worker} needs {peak / 1e9:.1f} GB ({parts}) but hardware={hw.name} has "
                 f"{hw.memory_gb:g} GB; raise cluster.pp, lower train.microbatch_size or pick a larger GPU")
 
+    def _fold_renamed(self, result: RenamedResult) -> bool:
+        """Fold the peaks of a plan that times out as a renamed reference (ReCycle: one per
+        failure at scale) without a pass over its workers; True when done and every peak fits.
+        Its worker w peaks as the reference's worker renamed.get(w, w), and a kept peak only
+        grows, so a worker named as itself needs folding once per reference, and a renamed
+        one once per (worker, reference worker) pair. False (nothing changed; the per-worker
+        path decides) when some reference worker has no kept peak yet (the order in which
+        workers are first kept is the plan's) or some reference peak exceeds the memory."""
+        known = self._renamings
+        if known is None or known.reference is not result.reference:
+            peak_of = result.reference.peak_memory_bytes
+            if not self._peak.keys() >= peak_of.keys():
+                return False
+            known = self._renamings = _Renamings(result.reference, peak_of, max(peak_of.values(), default=0.0))
+        if known.top > self.ctx.cost_model.memory_bytes:
+            return False
+        renamed = result.renamed
+        own = list(known.unfolded - result.absent - renamed.keys())
+        _fold(self._peak, own, list(map(known.peak_of.__getitem__, own)))
+        known.unfolded.difference_update(own)
+        pairs = list(renamed.items() - known.pairs)
+        _fold(self._peak, list(map(_first, pairs)), list(map(known.peak_of.__getitem__, map(_second, pairs))))
+        known.pairs.update(pairs)
+        return True
+
     def peak_memory(self) -> dict[int, float]:
         return dict(self._peak)
 
     def finish(self) -> None:
         pass
+
+
+class _Renamings:
+    """A reference result's peaks (per worker, and the largest), with what is folded into
+    the kept peaks already: its workers not yet folded as themselves, and the (worker,
+    reference worker) pairs folded."""
+
+    def __init__(self, reference: SimResult, peak_of: dict[int, float], top: float):
+        self.reference, self.peak_of, self.top = reference, peak_of, top
+        self.unfolded: set[int] = set(peak_of)
+        self.pairs: set[tuple[int, int]] = set()
+
+
+def _fold(kept: dict, workers: list, peaks: list) -> None:
+    """kept[w] = peak where the peak is above it, for workers kept already (in bulk)."""
+    kept.update(compress(zip(workers, peaks), map(gt, peaks, map(kept.__getitem__, workers))))
+
+
+_first, _second = itemgetter(0), itemgetter(1)
 
 
 def _peak_columns(result: SimResult) -> tuple[list[int], list[float]]:

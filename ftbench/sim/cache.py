@@ -94,6 +94,10 @@ class RenamedResult(ComposedResult):
         self.schedule = plan.schedule
         self.worker_count = len(plan.schedule.ops)
         self._plan, self._model, self._reference, self._same = plan, cost_model, reference, same
+        # what its figures are made of: the reference's result, the workers that take another
+        # reference worker's figures (plan worker -> reference worker), the reference's workers
+        # the plan does not have (ftbench.sim.backend folds peaks from these, not per worker)
+        self.reference, self.renamed, self.absent = reference, same.renamed, same.absent
         self._dicts: dict[str, dict] = {}
         self._whole: SimResult | None = None
 

@@ -122,6 +122,8 @@ def keyed_parts(parts, plan, templates):
         nodes = list(map(node_of.__getitem__, workers))
         if nodes.count(nodes[0]) == len(nodes):
             pattern = same_node.get(len(nodes)) or same_node.setdefault(len(nodes), (0,) * len(nodes))
+        elif len(set(nodes)) == len(nodes):  # a node each (one GPU per node): numbered in order
+            pattern = identity(len(nodes))
         else:
             relabel: dict[int, int] = {}
             pattern = tuple([relabel.setdefault(n, len(relabel)) for n in nodes])
