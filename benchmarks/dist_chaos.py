@@ -46,13 +46,17 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = ("checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck", "bamboo", "swift")
+sys.path.insert(0, str(ROOT))
+from ftbench.strategies import REGISTRY  # noqa: E402
+
+# Every registered strategy but the baseline (a death ends `none`), with the settings its
+# registration gives these trials (StrategyTests.dist).
+STRATEGIES = tuple(name for name in REGISTRY if name != "none")
+EXTRA = {name: cls.tests.dist for name, cls in REGISTRY.items()}
 ITERATIONS = 6
 SETUP = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=2", "cluster.gpus_per_node=1", "cluster.spares=1",
          f"train.iterations={ITERATIONS}", "train.microbatches=4", "report.gantt=false", "report.progress=false",
          "backend.timeout_s=30", "backend.dtype=float64", "hardware=cpu", "wandb.mode=disabled")
-EXTRA = {"checkpoint": ("strategy.every=2",), "checkfreq": ("strategy.every=2",), "varuna": ("strategy.every=2",),
-         "swift": ("strategy.every=2",)}
 DEADLINE_S = 240
 OPS = 9  # --unannounced: a process dies after 0 to OPS - 1 of its ops (each worker runs more)
 # wall time of the default run, extrapolated from measured runs (MORE: what was measured)

@@ -34,12 +34,13 @@ _MEMORY: dict[str, dict] = {}
 
 def reference_config(cfg):
     """The reference run: this cell's setup, the reference system, no failures, a few iterations."""
-    from ftbench.config import STRATEGY_SCHEMAS, FailuresConfig
+    from ftbench.config import FailuresConfig, strategy_schemas
 
     ref = copy.deepcopy(cfg)
     given = OmegaConf.to_container(cfg.calibrate.strategy, resolve=True) if cfg.calibrate.strategy else {}
     name = given.get("name", "none")
-    schema = STRATEGY_SCHEMAS.get(name, STRATEGY_SCHEMAS["checkpoint"])
+    schemas = strategy_schemas()
+    schema = schemas.get(name, schemas["checkpoint"])
     with open_dict(ref):
         ref.strategy = OmegaConf.merge(OmegaConf.structured(schema), given)
         ref.failures = OmegaConf.structured(FailuresConfig(kind="none"))

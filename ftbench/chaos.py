@@ -7,7 +7,7 @@ a small setup of gpt-tiny (pp, dp, GPUs per node, spares, schedule, iterations, 
 and a scripted list of membership events from the seed alone, so every strategy meets the same
 setup and the same failures for a given seed (and one fault-free reference run serves them
 all); strategy settings (`strategy.every`, ReCycle's fallback) come from the seed and the
-strategy. `run_case` runs a case, `classify` gives the verdict against fault-free training of
+strategy's registration (`StrategyTests.random`, ftbench/strategies/base.py). `run_case` runs a case, `classify` gives the verdict against fault-free training of
 the same setup:
 
   equal          status ok and losses and final weights match fault-free training
@@ -36,8 +36,10 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STRATEGIES = ("none", "checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck", "bamboo")
-WITH_EVERY = ("checkpoint", "checkfreq", "elastic-horovod", "varuna")
+from ftbench.strategies import REGISTRY, strategy_class
+
+# Every registered strategy whose registration draws its settings (StrategyTests.random).
+STRATEGIES = tuple(name for name, cls in REGISTRY.items() if cls.tests.random is not None)
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 OUTCOMES = ("equal", "ok", "unrecoverable", "different", "crashed", "oom")
 # Added to every run by run_case (the reference is run here, once per setup); left out of
@@ -115,27 +117,8 @@ def random_case(seed: int, strategy: str, backend: str = "local") -> Case:
     iteration_s, time_events = 1e-4, rng.random() < 0.4
     events, notes = _random_events(rng, nodes, iterations, iteration_s, time_events)
     srng = random.Random(f"ftbench-chaos/{seed}/{strategy}")
-    strategy_overrides = [f"strategy={strategy}"]
-    if strategy in WITH_EVERY:
-        choices = (1, 2, 3, 4, "null") if strategy == "checkfreq" else (1, 2, 3, 4)
-        strategy_overrides.append(f"strategy.every={srng.choice(choices)}")
-    elif strategy == "recycle":
-        fallback = srng.choice(("none", "checkpoint"))
-        strategy_overrides += [f"strategy.fallback={fallback}", "strategy.plan_cache=null"]
-        if fallback == "checkpoint":
-            strategy_overrides.append(f"strategy.every={srng.randint(1, 4)}")
-    elif strategy == "oobleck":
-        # f failures at once; 6 MB GPUs make gpt-tiny need 2 nodes a pipeline (cuts that
-        # differ), where the job has the 2 x (f+1) nodes that takes
-        f = srng.choice((0, 1)) if nodes >= 2 and microbatches * dp >= 2 * gpus else 0  # a micro-batch per lane
-        memory = srng.choice((24, 0.006)) if nodes >= 2 * (f + 1) else 24
-        strategy_overrides += [f"strategy.f={f}", f"hardware.memory_gb={memory}"]
-    elif strategy == "bamboo":
-        # one node per stage: a job of fewer nodes than stages gets the nodes it needs (idle
-        # nodes change nothing for the reference); reconfigure at failovers, or only on breaks
-        if nodes < pp:
-            strategy_overrides.append(f"cluster.nodes={pp}")
-        strategy_overrides.append(f"strategy.overload={srng.choice(('null', 0.05))}")
+    facts = {"pp": pp, "dp": dp, "gpus": gpus, "nodes": nodes, "microbatches": microbatches, "iterations": iterations}
+    strategy_overrides = [f"strategy={strategy}", *strategy_class(strategy).tests.random(srng, facts)]
     return Case(seed, strategy, backend, tuple(setup), tuple(strategy_overrides), tuple(events), tuple(notes))
 
 

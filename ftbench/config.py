@@ -133,66 +133,6 @@ class FailuresConfig:
 
 
 @dataclass
-class StrategyConfig:
-    """The fault-tolerance strategy. Strategy-specific schemas extend this."""
-    name: str = "none"  # key of strategies.REGISTRY
-
-
-@dataclass
-class CheckpointConfig(StrategyConfig):
-    """Checkpoint restart and its presets: checkpoint, checkfreq, elastic-horovod, varuna."""
-    name: str = "checkpoint"
-    every: Optional[int] = None  # iterations between checkpoints (null: tuned; Young/Daly from the failure model, or CheckFreq's overhead rule)
-    mtbf_hours: Optional[float] = None  # one node's MTBF for Young/Daly (null: failures.mtbf_hours, or failures.job_mtbf_hours x nodes)
-    keep: int = 2  # checkpoints kept on storage (local and dist backends)
-    overhead_bound: float = 0.035  # checkfreq: largest fraction of iteration time spent stalled on snapshots
-    save_s: Optional[float] = None  # fixed checkpoint save stall in seconds (null: bytes over hardware.storage_gbps)
-    start: str = "configured"  # varuna: configured (the grid cluster.pp x cluster.dp) | fastest (its fastest shape that fits on the job's GPUs, as Varuna's own planner picks)
-
-
-@dataclass
-class ReCycleConfig(CheckpointConfig):
-    """ReCycle; `every`, `mtbf_hours` and `keep` apply only with fallback: checkpoint."""
-    name: str = "recycle"
-    level: str = "staggered"  # reroute (1F1B, fused backward) | decoupled (+ B/W split) | staggered (+ staggered optimizer)
-    planner: str = "heuristic"  # heuristic (list scheduling) | milp (pulp/CBC, warm-started by the heuristic) | auto (MILP for small instances)
-    plan_ahead: int = 2  # plan every failure configuration of up to this many failed nodes before training
-    normalise: str = "stage"  # stage (a plan per count of failed workers at each stage) | pipeline (per configuration up to renaming pipelines)
-    plan_ahead_s: Optional[float] = 10.0  # at most this many seconds of planning ahead (fewest failures first); the rest is planned when a failure reaches it (null: no limit)
-    whole_above_ops: Optional[int] = 50000  # normalise=stage: where one failed worker's re-routed micro-batches would couple more ops than this, plan its most failed workers of a stage as whole failed pipelines (null: never)
-    milp_time_limit_s: float = 30.0  # CBC time limit per plan; the best plan found by then is used
-    plan_cache: Optional[str] = "plan-cache"  # folder of cached plans inside the sweep folder (a single run: the run folder); null: memory only
-    fallback: str = "none"  # none (no re-routing possible, or none fits in memory, ends the run) | checkpoint (restart from checkpoints)
-
-
-@dataclass
-class SwiftConfig(CheckpointConfig):
-    """Swift: undo, replica copies, logging and replay from its own checkpoints (`every`, `keep`)."""
-    name: str = "swift"
-    log_dir: str = "swift-logs"  # where the boundary logs are written, inside the run folder (local/dist)
-    log_budget_gb: Optional[float] = None  # selective logging: most log bytes on storage, GB (null: log every node boundary)
-    parallel_recovery: int = 1  # workers sharing each replayed worker's replay (1: serial; k: it and k - 1 survivors)
-
-
-@dataclass
-class OobleckConfig(StrategyConfig):
-    """Oobleck: pipeline templates, heterogeneous pipelines, re-instantiation on failures."""
-    name: str = "oobleck"
-    f: int = 1  # failures to survive at once: templates for n0..N - f*n0 nodes, at least f+1 pipelines
-    batch_split: str = "auto"  # milp (pulp/CBC) | greedy | auto (MILP up to 24 pipelines, else the greedy fill)
-    stage_per: str = "node"  # node: one stage per node, its GPUs share it as lanes | gpu: a node's GPUs hold consecutive stages
-    min_nodes: Optional[int] = None  # the fewest nodes a pipeline has (null: n0, the fewest that hold the model); e.g. cluster.pp, to run Oobleck on the others' pipeline depth
-
-
-@dataclass
-class BambooConfig(StrategyConfig):
-    """Bamboo: redundant copies of the next stage (host memory, or the GPU with an eager redundant forward), failover, reconfiguration."""
-    name: str = "bamboo"
-    recovery: str = "lazy"  # lazy (Bamboo's default: the copy in host memory, no redundant forward) | eager (the copy on the GPU, its forward run redundantly)
-    overload: Optional[float] = None  # reconfigure at a failover once 2 x overloaded nodes / live nodes exceeds this (Bamboo's simulator: 0.05; null: never)
-
-
-@dataclass
 class WandbConfig:
     """Weights & Biases sink. Offline runs land in the run folder, which holds all `wandb sync`
     needs (artifacts too): from inside it, `wandb sync wandb/offline-run-*` uploads them."""
@@ -244,7 +184,7 @@ class TableConfig:
 class FTBenchConfig:
     """The whole run. Group defaults are listed in conf/config.yaml."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    strategy: Any = field(default_factory=StrategyConfig)  # Any: each strategy brings its own schema
+    strategy: Any = field(default_factory=lambda: {"name": "none"})  # Any: each strategy brings its own schema
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     failures: FailuresConfig = field(default_factory=FailuresConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -258,10 +198,12 @@ class FTBenchConfig:
     seed: int = 0  # seeds data, failure draws and everything random
 
 
-# Strategy schemas, by strategy name; later strategies add theirs here.
-STRATEGY_SCHEMAS: dict[str, type] = {"none": StrategyConfig, "checkpoint": CheckpointConfig,
-                                     "recycle": ReCycleConfig, "oobleck": OobleckConfig,
-                                     "bamboo": BambooConfig, "swift": SwiftConfig}  # presets reuse "checkpoint"
+def strategy_schemas() -> dict[str, type]:
+    """Each registered strategy's settings schema, by strategy name (ftbench/strategies)."""
+    from ftbench.strategies import REGISTRY
+
+    return {name: cls.config for name, cls in REGISTRY.items()}
+
 
 BACKENDS = ("sim", "local", "dist")  # backend=...; which of them run is ftbench.run's business
 
@@ -272,11 +214,15 @@ def register_configs() -> None:
     the `schema/strategy` group, kept apart so it is not offered as a strategy option."""
     from hydra_plugins.ftbench_sweeper.cell_sweeper import register as register_sweeper
 
+    from ftbench.paths import CONF_DIR
+
     cs = ConfigStore.instance()
     cs.store(name="ftbench_schema", node=FTBenchConfig)
     register_sweeper()  # hydra/sweeper=ftbench: the paper tables' sweeps
-    for name, node in STRATEGY_SCHEMAS.items():
+    for name, node in strategy_schemas().items():
         cs.store(group="schema/strategy", name=name, node=node)
+        if not (CONF_DIR / "strategy" / f"{name}.yaml").exists():  # another package's: no YAML file needed
+            cs.store(group="strategy", name=name, node=node)
     if not OmegaConf.has_resolver("cell"):
         OmegaConf.register_new_resolver("cell", _cell)
     if not OmegaConf.has_resolver("run_id"):
@@ -308,39 +254,8 @@ def _cell(section: str, key: str, *more: str, _root_: Any) -> Any:
     return value
 
 
-def parse_duration(text: str, setting: str) -> float:
-    """'90s', '30m', '6h', '2d' or a bare number of seconds -> seconds."""
-    units = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-    raw = str(text).strip().lower()
-    for suffix in sorted(units, key=len, reverse=True):
-        if raw.endswith(suffix):
-            number = raw[: -len(suffix)]
-            break
-    else:
-        suffix, number = "s", raw
-    try:
-        seconds = float(number) * units[suffix]
-    except ValueError:
-        raise ConfigError(setting, f"'{text}' is not a duration",
-                          "write a number with a unit, e.g. 30m, 6h or 1d") from None
-    if seconds <= 0:
-        raise ConfigError(setting, f"'{text}' is not positive", "give a period above zero, e.g. 6h")
-    return seconds
-
-
 # -- settings the schema accepts but this run would ignore --------------------------------
 
-# Fields of the checkpoint schema (CheckpointConfig) that only some of the strategies sharing
-# it read (docs/strategies/*.md): set to another value than the schema's default on another
-# strategy, they would do nothing.
-CHECKPOINT_FIELD_READERS = {
-    "overhead_bound": ("checkfreq",),
-    "start": ("varuna",),
-    "keep": ("checkpoint", "checkfreq", "varuna", "swift", "recycle"),  # elastic-horovod commits in memory
-    "mtbf_hours": ("checkpoint", "elastic-horovod", "varuna", "recycle"),  # Young/Daly; checkfreq tunes by overhead
-}
-# ReCycle checkpoints only with strategy.fallback=checkpoint; without it these do nothing.
-RECYCLE_FALLBACK_FIELDS = ("every", "mtbf_hours", "keep", "save_s")
 # backend.* settings that only backend=dist reads (backend.kill and backend.stall are refused
 # off dist by ftbench.distributed.launch.refuse_dist_settings, which also checks their form).
 DIST_ONLY = ("unannounced", "launcher", "deadline_s", "store_port")
@@ -389,32 +304,11 @@ def _check_numbers(node, prefix: str = "") -> None:
             raise ConfigError(name, "nan is not a number", f"give {name} a number (or null where it may be unset)")
 
 
-def _set(strategy, key: str, schema) -> bool:
-    """Whether `strategy.key` holds another value than the schema's default."""
-    import dataclasses
-
-    if key not in strategy:
-        return False
-    default = next((f.default for f in dataclasses.fields(schema) if f.name == key), None)
-    return strategy.get(key) != default
-
-
 def _check_strategy_fields(strategy) -> None:
-    schema = OmegaConf.get_type(strategy)
-    if not (isinstance(schema, type) and issubclass(schema, CheckpointConfig)):
-        return  # the other schemas hold their own strategy's fields only
-    name = str(strategy.get("name"))
-    for key, readers in CHECKPOINT_FIELD_READERS.items():
-        if name not in readers and _set(strategy, key, schema):
-            owners = f"it is {readers[0]}'s" if len(readers) == 1 else f"only {', '.join(readers)} read it"
-            raise ConfigError(f"strategy.{key}", f"strategy '{name}' has no such setting; {owners}",
-                              f"drop strategy.{key}" + (f", or use strategy={readers[0]}" if len(readers) == 1 else ""))
-    if name == "recycle" and strategy.get("fallback") != "checkpoint":
-        for key in RECYCLE_FALLBACK_FIELDS:
-            if _set(strategy, key, schema):
-                raise ConfigError(f"strategy.{key}", "recycle writes checkpoints only with strategy.fallback="
-                                  "checkpoint, and ignores it otherwise",
-                                  f"add strategy.fallback=checkpoint, or drop strategy.{key}")
+    """The strategy's own checks of settings it would ignore (Strategy.check_settings)."""
+    from ftbench.strategies import strategy_class
+
+    strategy_class(str(strategy.get("name"))).check_settings(strategy)
 
 
 def table_experiments() -> list[str]:

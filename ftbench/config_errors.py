@@ -44,15 +44,18 @@ def _strategies_with(setting: str, conf_dir: Path) -> list[str]:
         return []
     import dataclasses
 
-    from ftbench.config import STRATEGY_SCHEMAS
+    from ftbench.config import strategy_schemas
 
     field = setting.split(".", 1)[1]
+    schemas = strategy_schemas()
     owners = []
     for path in sorted((conf_dir / "strategy").glob("*.yaml")):
         schema = re.search(r"/schema/strategy/([\w-]+)@", path.read_text(encoding="utf-8"))
-        node = STRATEGY_SCHEMAS.get(schema.group(1)) if schema else None
+        node = schemas.get(schema.group(1)) if schema else None
         if node is not None and field in {f.name for f in dataclasses.fields(node)}:
             owners.append(path.stem)
+    owners += [name for name, node in schemas.items()  # other packages' strategies have no YAML file here
+               if not (conf_dir / "strategy" / f"{name}.yaml").exists() and field in {f.name for f in dataclasses.fields(node)}]
     return owners
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ftbench.config import parse_duration
+from ftbench.durations import parse_duration
 from ftbench.errors import ConfigError
 from ftbench.paths import TRACES_DIR
 

@@ -69,9 +69,8 @@ def sized_by_membership(cfg) -> bool:
     the nodes are too few to start it waits for the trace's joins (TooFewNodes)."""
     from ftbench.strategies import REGISTRY
 
-    cls = REGISTRY.get(str(cfg.strategy.name))
-    check = getattr(cls, "sized_by_membership", None)
-    return bool(check(cfg.strategy)) if check is not None else False
+    cls = REGISTRY.get(str(cfg.strategy.name))  # an unknown name is refused when the strategy is built
+    return bool(cls.sized_by_membership(cfg.strategy)) if cls is not None else False
 
 
 def clock_of(cfg) -> str:

@@ -181,11 +181,11 @@ class Checkpoints:
 
     def __init__(self, strategy, cost_model, iterations: int, log, modelled: bool):
         self.strategy, self.cost_model, self.iterations, self.log = strategy, cost_model, iterations, log
-        self.mode = getattr(strategy, "checkpoint_mode", None)
+        self.mode = strategy.checkpoint_mode
         self.modelled = modelled
-        self.after_change_rule = self.mode is not None and bool(getattr(strategy, "checkpoint_after_change", False))
+        self.after_change_rule = self.mode is not None and bool(strategy.checkpoint_after_change)
         self.after_change: int | None = None  # the iteration after which the post-change checkpoint is due
-        self.save_s: float | None = getattr(strategy, "save_s", None)
+        self.save_s: float | None = strategy.save_s
         self.ledger = CheckpointLedger()
         self.every: int | None = None  # unknown until the plan's iteration time is
         self.stall = self.persist = self.T = 0.0
@@ -826,7 +826,7 @@ class RunLoop:
         go on: Recovery(unrecoverable=reason)."""
         from ftbench.actions import Recovery
 
-        resume = getattr(self.strategy, "resume", None)
+        resume = self.strategy.resume
         if not self.modelled or resume is None or not self.waits_for_joins:
             return Recovery(unrecoverable=reason)
         started = self.t

@@ -1,27 +1,51 @@
-"""Fault-tolerance strategies, by name. Each module reads like its paper's mechanism section."""
+"""Fault-tolerance strategies, by name. Each module reads like its paper's mechanism section.
+
+Every module of this package registers its strategy on import (`@register`,
+ftbench/strategies/base.py); a strategy from another package registers through the entry
+point group `ftbench.strategies` (`name = "package.module:Class"` in its pyproject.toml) and
+is then `strategy=<name>` like the built-in ones (docs/extending.md)."""
 from __future__ import annotations
 
-from ftbench.errors import ConfigError
-from ftbench.strategies.bamboo import Bamboo
-from ftbench.strategies.base import Recovery, Strategy
-from ftbench.strategies.checkfreq import CheckFreq
-from ftbench.strategies.checkpoint import CheckpointRestart
-from ftbench.strategies.elastic_horovod import ElasticHorovod
-from ftbench.strategies.none import NoFaultTolerance
-from ftbench.strategies.oobleck import Oobleck
-from ftbench.strategies.recycle import ReCycle
-from ftbench.strategies.swift import Swift
-from ftbench.strategies.varuna import Varuna
+import importlib
+import pkgutil
+from importlib.metadata import entry_points
 
-REGISTRY: dict[str, type] = {cls.name: cls for cls in (NoFaultTolerance, CheckpointRestart, CheckFreq,
-                                                       ElasticHorovod, Varuna, ReCycle, Oobleck, Bamboo, Swift)}
+from ftbench.errors import ConfigError
+from ftbench.strategies.base import REGISTRY, Recovery, Strategy, StrategyConfig, StrategyTests, register
+
+ENTRY_POINTS = "ftbench.strategies"
+
+for _module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+
+def load_entry_points() -> list[str]:
+    """Register the strategies other installed packages declare (group `ftbench.strategies`);
+    their names."""
+    names = []
+    for point in entry_points(group=ENTRY_POINTS):
+        try:
+            cls = point.load()
+        except Exception as err:  # a broken plugin must say which one, not break every run
+            raise ConfigError("strategy", f"the strategy entry point '{point.name} = {point.value}' does not load: "
+                              f"{type(err).__name__}: {err}", "fix or uninstall the package that declares it") from err
+        register(cls)
+        names.append(cls.name)
+    return names
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The registered strategy `name` (a ConfigError naming the choices otherwise)."""
+    if str(name) not in REGISTRY:
+        raise ConfigError("strategy", f"unknown strategy '{name}'", f"choose one of {', '.join(REGISTRY)}")
+    return REGISTRY[str(name)]
 
 
 def build_strategy(cfg, ctx) -> Strategy:
-    name = cfg.name
-    if name not in REGISTRY:
-        raise ConfigError("strategy", f"unknown strategy '{name}'", f"choose one of {', '.join(REGISTRY)}")
-    return REGISTRY[name](cfg, ctx)
+    return strategy_class(cfg.name)(cfg, ctx)
 
 
-__all__ = ["REGISTRY", "Recovery", "Strategy", "build_strategy"]
+load_entry_points()
+
+__all__ = ["REGISTRY", "Recovery", "Strategy", "StrategyConfig", "StrategyTests", "build_strategy",
+           "load_entry_points", "register", "strategy_class"]

@@ -44,6 +44,10 @@ than S live nodes, or a layer no survivor holds, is unrecoverable.
 """
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass
+from typing import Optional
+
 from ftbench.actions import LoadFromHost, Rendezvous, SyncFromPeers
 from ftbench.costs import ADAM_STATE_BYTES_PER_PARAM
 from ftbench.errors import ConfigError, TooFewNodes
@@ -52,16 +56,36 @@ from ftbench.plan import Plan
 from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM
 from ftbench.schedule import (B, BW, F, NO_MICROBATCH, OP_KINDS, RF, RSYNC, Op, Schedule, generate, grid_worker,
                               read_ops)
-from ftbench.strategies.base import Recovery
+from ftbench.strategies.base import Recovery, Strategy, StrategyConfig, StrategyTests, register
 from ftbench.transfers import peer_copies
 
 
 RECOVERY_MODES = ("lazy", "eager")  # strategy.recovery: Bamboo's eager_recovery False / True
 
 
-class Bamboo:
+@dataclass
+class BambooConfig(StrategyConfig):
+    """Bamboo: redundant copies of the next stage (host memory, or the GPU with an eager redundant forward), failover, reconfiguration."""
+    name: str = "bamboo"
+    recovery: str = "lazy"  # lazy (Bamboo's default: the copy in host memory, no redundant forward) | eager (the copy on the GPU, its forward run redundantly)
+    overload: Optional[float] = None  # reconfigure at a failover once 2 x overloaded nodes / live nodes exceeds this (Bamboo's simulator: 0.05; null: never)
+
+
+def _random_settings(rng: random.Random, setup: dict) -> list[str]:
+    """A seeded random script's Bamboo: one node per stage (a job of fewer nodes than stages
+    gets the nodes it needs: idle nodes change nothing for the reference); reconfigure at
+    failovers, or only on breaks."""
+    settings = [f"cluster.nodes={setup['pp']}"] if setup["nodes"] < setup["pp"] else []
+    return settings + [f"strategy.overload={rng.choice(('null', 0.05))}"]
+
+
+@register
+class Bamboo(Strategy):
     name = "bamboo"
-    checkpoint_mode = None
+    config = BambooConfig
+    tests = StrategyTests(conformance_scripts=("one failure", "after the optimizer steps", "two in one stage",
+                                               "changes during recovery"),
+                          random=_random_settings)
 
     @staticmethod
     def sized_by_membership(cfg) -> bool:

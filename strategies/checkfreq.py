@@ -9,13 +9,31 @@ during a persist loses that checkpoint: recovery uses the previous one.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 from ftbench.actions import SNAPSHOT
-from ftbench.strategies.checkpoint import CheckpointRestart
+from ftbench.strategies.base import StrategyConfig, StrategyTests, register
+from ftbench.strategies.checkpoint import CheckpointRestart, every_drawn
 
 
+@dataclass
+class CheckFreqConfig(StrategyConfig):
+    """CheckFreq: two-phase checkpoints, their frequency tuned by overhead."""
+    name: str = "checkfreq"
+    every: Optional[int] = None  # iterations between checkpoints (null: tuned by CheckFreq's overhead rule)
+    keep: int = 2  # checkpoints kept on storage (local and dist backends)
+    overhead_bound: float = 0.035  # largest fraction of iteration time spent stalled on snapshots
+    save_s: Optional[float] = None  # fixed snapshot stall in seconds (null: bytes over hardware.host_gbps)
+
+
+@register
 class CheckFreq(CheckpointRestart):
     name = "checkfreq"
+    config = CheckFreqConfig
+    tests = StrategyTests(conformance=("strategy.every=2",),
+                          conformance_scripts=("one failure", "two in one iteration", "time-based failure"),
+                          random=every_drawn(1, 2, 3, 4, "null"), dist=("strategy.every=2",))
     checkpoint_mode = SNAPSHOT
 
     def __init__(self, cfg, ctx):

@@ -10,15 +10,18 @@ the measured (local) or modelled (sim) checkpoint cost.
 from __future__ import annotations
 
 import math
+import random
 from bisect import bisect_left
+from dataclasses import dataclass
 from itertools import compress
+from typing import Optional
 
 from ftbench.actions import FILE, RestartJob, RestoreCheckpoint
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan, generated_grid_plan
-from ftbench.strategies.base import Recovery
+from ftbench.strategies.base import Recovery, Strategy, StrategyConfig, StrategyTests, register
 
 
 def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:
@@ -29,17 +32,37 @@ def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * cost_s * mtbf_s) - cost_s
 
 
-class CheckpointRestart:
+@dataclass
+class CheckpointConfig(StrategyConfig):
+    """Checkpoint restart (and the settings Varuna, Swift and ReCycle's fallback take from it)."""
+    name: str = "checkpoint"
+    every: Optional[int] = None  # iterations between checkpoints (null: tuned; Young/Daly from the failure model)
+    mtbf_hours: Optional[float] = None  # one node's MTBF for Young/Daly (null: failures.mtbf_hours, or failures.job_mtbf_hours x nodes)
+    keep: int = 2  # checkpoints kept on storage (local and dist backends)
+    save_s: Optional[float] = None  # fixed checkpoint save stall in seconds (null: bytes over hardware.storage_gbps)
+
+
+def every_drawn(*choices):
+    """A seeded random script's `strategy.every`, drawn from `choices`."""
+    def draw(rng: random.Random, setup: dict) -> list[str]:
+        return [f"strategy.every={rng.choice(choices)}"]
+    return draw
+
+
+@register
+class CheckpointRestart(Strategy):
     name = "checkpoint"
+    config = CheckpointConfig
+    tests = StrategyTests(conformance=("strategy.every=2",),
+                          conformance_scripts=("one failure", "standby used up", "changes during recovery"),
+                          random=every_drawn(1, 2, 3, 4), dist=("strategy.every=2",))
     checkpoint_mode: str | None = FILE
-    # Also checkpoint right after the first iteration that completes after each recovery (the
-    # run loop's Checkpoints honours it on every backend); varuna turns it on.
-    checkpoint_after_change = False
 
     def __init__(self, cfg, ctx):
-        self.cfg, self.ctx = cfg, ctx
+        super().__init__(cfg, ctx)
         self.every = cfg.every
-        self.mtbf_hours = cfg.mtbf_hours if cfg.mtbf_hours is not None else ctx.node_mtbf_hours
+        mtbf_hours = getattr(cfg, "mtbf_hours", None)  # CheckFreq tunes by overhead instead
+        self.mtbf_hours = mtbf_hours if mtbf_hours is not None else ctx.node_mtbf_hours
         if self.every is not None and self.every < 1:
             raise ConfigError("strategy.every", f"must be at least 1 iteration, got {self.every}",
                               "set strategy.every to a positive number of iterations, or null for the tuned interval")

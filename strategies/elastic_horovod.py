@@ -12,7 +12,9 @@ rolled back.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import cycle
+from typing import Optional
 
 from ftbench.actions import MEMORY, Rendezvous, RestoreCheckpoint, SyncFromPeers
 from ftbench.cluster import Cluster
@@ -20,12 +22,27 @@ from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
 from ftbench.recovery_costs import most_replica_bytes
 from ftbench.transfers import peer_copies
-from ftbench.strategies.base import Recovery
-from ftbench.strategies.checkpoint import CheckpointRestart
+from ftbench.strategies.base import Recovery, StrategyConfig, StrategyTests, register
+from ftbench.strategies.checkpoint import CheckpointRestart, every_drawn
 
 
+@dataclass
+class ElasticHorovodConfig(StrategyConfig):
+    """Elastic Horovod: commits in each worker's memory, no files (so no `keep`)."""
+    name: str = "elastic-horovod"
+    every: Optional[int] = None  # iterations between commits (null: Young/Daly from the failure model)
+    mtbf_hours: Optional[float] = None  # one node's MTBF for Young/Daly (null: failures.mtbf_hours, or failures.job_mtbf_hours x nodes)
+    save_s: Optional[float] = None  # fixed commit stall in seconds (null: bytes over hardware.host_gbps)
+
+
+@register
 class ElasticHorovod(CheckpointRestart):
     name = "elastic-horovod"
+    config = ElasticHorovodConfig
+    tests = StrategyTests(conformance=("strategy.every=2",),
+                          conformance_scripts=("one failure", "failure then join", "reshape and grow back",
+                                               "already down, idle and new nodes"),
+                          random=every_drawn(1, 2, 3, 4))
     checkpoint_mode = MEMORY
 
     def plan(self, cluster: Cluster):

@@ -7,16 +7,14 @@ from __future__ import annotations
 from ftbench.cluster import Cluster
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
-from ftbench.strategies.base import Recovery
-from ftbench.context import RunContext
+from ftbench.strategies.base import Recovery, Strategy, StrategyConfig, StrategyTests, register
 
 
-class NoFaultTolerance:
+@register
+class NoFaultTolerance(Strategy):
     name = "none"
-    checkpoint_mode = None
-
-    def __init__(self, cfg, ctx: RunContext):
-        self.ctx = ctx
+    config = StrategyConfig
+    tests = StrategyTests(conformance_scripts=("one failure", "time-based failure"))
 
     def plan(self, cluster: Cluster) -> Plan:
         return self.ctx.grid_plan(cluster.pp, cluster.dp, cluster.gpus_per_node, node_of=cluster.node_of)

@@ -18,6 +18,10 @@ one). Fewer live nodes than (f+1)*n0, or a layer no survivor holds, is unrecover
 """
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass
+from typing import Optional
+
 import warnings
 from functools import partial
 from itertools import chain, repeat
@@ -29,15 +33,39 @@ from ftbench.failures import FailureEvent
 from ftbench.plan import Plan, pipelines_plan_of
 from ftbench.planning.oobleck import (STAGE_PER, Templates, Unrecoverable, grow, instantiate, pipelines_layer_copies,
                                       reconfigure, split_batch, template_range, uncovered)
-from ftbench.strategies.base import Recovery
+from ftbench.strategies.base import Recovery, Strategy, StrategyConfig, StrategyTests, register
 from ftbench.transfers import layer_copies
 
 SPLITS = ("auto", "milp", "greedy")
 
 
-class Oobleck:
+@dataclass
+class OobleckConfig(StrategyConfig):
+    """Oobleck: pipeline templates, heterogeneous pipelines, re-instantiation on failures."""
+    name: str = "oobleck"
+    f: int = 1  # failures to survive at once: templates for n0..N - f*n0 nodes, at least f+1 pipelines
+    batch_split: str = "auto"  # milp (pulp/CBC) | greedy | auto (MILP up to 24 pipelines, else the greedy fill)
+    stage_per: str = "node"  # node: one stage per node, its GPUs share it as lanes | gpu: a node's GPUs hold consecutive stages
+    min_nodes: Optional[int] = None  # the fewest nodes a pipeline has (null: n0, the fewest that hold the model); e.g. cluster.pp, to run Oobleck on the others' pipeline depth
+
+
+def _random_settings(rng: random.Random, setup: dict) -> list[str]:
+    """A seeded random script's Oobleck: f failures at once; 6 MB GPUs make gpt-tiny need 2
+    nodes a pipeline (cuts that differ), where the job has the 2 x (f+1) nodes that takes."""
+    nodes, gpus = setup["nodes"], setup["gpus"]
+    f = rng.choice((0, 1)) if nodes >= 2 and setup["microbatches"] * setup["dp"] >= 2 * gpus else 0  # a micro-batch per lane
+    memory = rng.choice((24, 0.006)) if nodes >= 2 * (f + 1) else 24
+    return [f"strategy.f={f}", f"hardware.memory_gb={memory}"]
+
+
+@register
+class Oobleck(Strategy):
     name = "oobleck"
-    checkpoint_mode = None
+    config = OobleckConfig
+    tests = StrategyTests(conformance=("hardware.memory_gb=0.006",),  # gpt-tiny needs 2 nodes a pipeline: cuts that differ
+                          conformance_scripts=("one failure", "two in one iteration", "changes during recovery",
+                                               "already down, idle and new nodes"),
+                          random=_random_settings)
 
     @staticmethod
     def sized_by_membership(cfg) -> bool:

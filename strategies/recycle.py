@@ -37,7 +37,10 @@ so stepping each stage as soon as its all-reduce ends is exactly the synchronous
 from __future__ import annotations
 
 import dataclasses
+import random
+from dataclasses import dataclass
 from itertools import repeat
+from typing import Optional
 
 from ftbench.actions import FILE, Rendezvous, SyncFromPeers
 from ftbench.cluster import Cluster
@@ -55,15 +58,58 @@ from ftbench.planning.whole import WholeRenamings
 from ftbench.schedule import NO_MICROBATCH, OPT, GridOps, Op, PartFlows, Schedule, grid_worker
 from ftbench.sim.simulator import simulate
 from ftbench.transfers import peer_copies
-from ftbench.strategies.base import Recovery
-from ftbench.strategies.checkpoint import CheckpointRestart
+from ftbench.strategies.base import Recovery, StrategyTests, register
+from ftbench.strategies.checkpoint import CheckpointConfig, CheckpointRestart
 
 LEVELS = ("reroute", "decoupled", "staggered")
 FALLBACKS = ("none", "checkpoint")
+# ReCycle checkpoints only with strategy.fallback=checkpoint; without it these do nothing.
+FALLBACK_FIELDS = ("every", "mtbf_hours", "keep", "save_s")
 
 
+@dataclass
+class ReCycleConfig(CheckpointConfig):
+    """ReCycle; `every`, `mtbf_hours`, `keep` and `save_s` apply only with fallback: checkpoint."""
+    name: str = "recycle"
+    level: str = "staggered"  # reroute (1F1B, fused backward) | decoupled (+ B/W split) | staggered (+ staggered optimizer)
+    planner: str = "heuristic"  # heuristic (list scheduling) | milp (pulp/CBC, warm-started by the heuristic) | auto (MILP for small instances)
+    plan_ahead: int = 2  # plan every failure configuration of up to this many failed nodes before training
+    normalise: str = "stage"  # stage (a plan per count of failed workers at each stage) | pipeline (per configuration up to renaming pipelines)
+    plan_ahead_s: Optional[float] = 10.0  # at most this many seconds of planning ahead (fewest failures first); the rest is planned when a failure reaches it (null: no limit)
+    whole_above_ops: Optional[int] = 50000  # normalise=stage: where one failed worker's re-routed micro-batches would couple more ops than this, plan its most failed workers of a stage as whole failed pipelines (null: never)
+    milp_time_limit_s: float = 30.0  # CBC time limit per plan; the best plan found by then is used
+    plan_cache: Optional[str] = "plan-cache"  # folder of cached plans inside the sweep folder (a single run: the run folder); null: memory only
+    fallback: str = "none"  # none (no re-routing possible, or none fits in memory, ends the run) | checkpoint (restart from checkpoints)
+
+
+def _random_settings(rng: random.Random, setup: dict) -> list[str]:
+    """A seeded random script's ReCycle: with or without the checkpoint fallback."""
+    fallback = rng.choice(FALLBACKS)
+    settings = [f"strategy.fallback={fallback}", "strategy.plan_cache=null"]
+    if fallback == "checkpoint":
+        settings.append(f"strategy.every={rng.randint(1, 4)}")
+    return settings
+
+
+@register
 class ReCycle(CheckpointRestart):
     name = "recycle"
+    config = ReCycleConfig
+    tests = StrategyTests(conformance=("strategy.fallback=checkpoint", "strategy.every=2", "strategy.plan_cache=null"),
+                          conformance_scripts=("one failure", "after the optimizer steps", "two in one stage",
+                                               "already down, idle and new nodes"),
+                          random=_random_settings)
+
+    @classmethod
+    def check_settings(cls, cfg) -> None:
+        if cfg.get("fallback") == "checkpoint":
+            return
+        defaults = {f.name: f.default for f in dataclasses.fields(ReCycleConfig)}
+        for key in FALLBACK_FIELDS:
+            if key in cfg and cfg.get(key) != defaults[key]:
+                raise ConfigError(f"strategy.{key}", "recycle writes checkpoints only with strategy.fallback="
+                                  "checkpoint, and ignores it otherwise",
+                                  f"add strategy.fallback=checkpoint, or drop strategy.{key}")
 
     def __init__(self, cfg, ctx):
         self.level, self.planner = cfg.level, cfg.planner

@@ -25,6 +25,9 @@ Swift keeps no extra copy of the model state. When a node fails:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 from ftbench.actions import FILE, Rendezvous, ReplayLogs, SyncFromPeers, Transfer, UndoSteps
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
@@ -33,15 +36,30 @@ from ftbench.folders import relative_setting
 from ftbench.plan import Plan
 from ftbench.planning.swift import SelectiveLogging
 from ftbench.recovery_costs import CHECKPOINT_BYTES_PER_PARAM, replica_bytes
-from ftbench.strategies.base import Recovery
-from ftbench.strategies.checkpoint import CheckpointRestart
+from ftbench.strategies.base import Recovery, StrategyTests, register
+from ftbench.strategies.checkpoint import CheckpointConfig, CheckpointRestart, every_drawn
 
 
 UNDO_BYTES_PER_PARAM = 4  # the fp32 gradient the last optimizer step applied
 
 
+@dataclass
+class SwiftConfig(CheckpointConfig):
+    """Swift: undo, replica copies, logging and replay from its own checkpoints (`every`, `keep`)."""
+    name: str = "swift"
+    log_dir: str = "swift-logs"  # where the boundary logs are written, inside the run folder (local/dist)
+    log_budget_gb: Optional[float] = None  # selective logging: most log bytes on storage, GB (null: log every node boundary)
+    parallel_recovery: int = 1  # workers sharing each replayed worker's replay (1: serial; k: it and k - 1 survivors)
+
+
+@register
 class Swift(CheckpointRestart):
     name = "swift"
+    config = SwiftConfig
+    tests = StrategyTests(conformance=("strategy.every=2",),
+                          conformance_scripts=("one failure", "after the optimizer steps", "two in one iteration",
+                                               "standby used up"),
+                          random=every_drawn(1, 2, 3, 4), dist=("strategy.every=2",))
     checkpoint_mode = FILE
 
     def __init__(self, cfg, ctx):

@@ -16,6 +16,7 @@ normal save; `strategy.save_s` can give its stall as the artifact measured it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from math import gcd
 
 from ftbench.actions import FILE, RestartJob, RestoreCheckpoint, SaveCheckpoint
@@ -27,12 +28,24 @@ from ftbench.layers import GradientSync
 from ftbench.plan import Plan, grid_plan
 from ftbench.schedule import generate
 from ftbench.sim.simulator import Simulation
-from ftbench.strategies.base import Recovery
-from ftbench.strategies.checkpoint import CheckpointRestart
+from ftbench.strategies.base import Recovery, StrategyTests, register
+from ftbench.strategies.checkpoint import CheckpointConfig, CheckpointRestart, every_drawn
 
 
+@dataclass
+class VarunaConfig(CheckpointConfig):
+    """Varuna: checkpoint restart in the fastest shape on the survivors."""
+    name: str = "varuna"
+    start: str = "configured"  # configured (the grid cluster.pp x cluster.dp) | fastest (its fastest shape that fits on the job's GPUs, as Varuna's own planner picks)
+
+
+@register
 class Varuna(CheckpointRestart):
     name = "varuna"
+    config = VarunaConfig
+    tests = StrategyTests(conformance=("strategy.every=2",),
+                          conformance_scripts=("one failure", "failure then join", "reshape and grow back"),
+                          random=every_drawn(1, 2, 3, 4), dist=("strategy.every=2",))
     checkpoint_mode = FILE
     checkpoint_after_change = True  # a checkpoint once one iteration completes in the new shape
 

@@ -9,17 +9,16 @@ import pytest
 
 from conftest import run
 from ftbench.metrics import read_metrics
+from ftbench.strategies import REGISTRY
 
-STRATEGIES = ["none", "checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck", "bamboo", "swift"]
+# Every registered strategy, with the settings and default-tier scripts its registration gives
+# (StrategyTests: conformance, conformance_scripts).
+STRATEGIES = list(REGISTRY)
 
 # gpt-tiny, pp=2 x dp=3, one GPU per node: node = pipeline * 2 + stage.
 SETUP = ("model=gpt-tiny", "cluster.pp=2", "cluster.dp=3", "train.iterations=8", "train.microbatches=2",
          "cluster.replacement_s=0.2", "report.gantt=false", "report.check_fault_free=false")
-EVERY = {"checkpoint": ("strategy.every=2",), "checkfreq": ("strategy.every=2",),
-         "elastic-horovod": ("strategy.every=2",), "varuna": ("strategy.every=2",),
-         "recycle": ("strategy.fallback=checkpoint", "strategy.every=2", "strategy.plan_cache=null"),
-         "oobleck": ("hardware.memory_gb=0.006",),
-         "swift": ("strategy.every=2",)}  # gpt-tiny needs 2 nodes a pipeline: cuts that differ
+EVERY = {name: cls.tests.conformance for name, cls in REGISTRY.items()}
 
 
 def _events(*events) -> str:
@@ -85,19 +84,9 @@ def _own_first_recovery(tmp_path, overrides) -> tuple[float, float]:
 # The default tier runs every strategy under "one failure" and under two or three more
 # scripts, and every script with at least two strategies (those whose recovery it exercises
 # most: undo after the optimizer steps for the in-place ones, grow-back for the reshaping ones,
-# a merged recovery for a restart, a re-instantiation and a failover); `-m full` runs the
-# other 59 of the 90 cases.
-DEFAULT_TIER = {
-    "none": ("one failure", "time-based failure"),
-    "checkpoint": ("one failure", "standby used up", "changes during recovery"),
-    "checkfreq": ("one failure", "two in one iteration", "time-based failure"),
-    "elastic-horovod": ("one failure", "failure then join", "reshape and grow back", "already down, idle and new nodes"),
-    "varuna": ("one failure", "failure then join", "reshape and grow back"),
-    "recycle": ("one failure", "after the optimizer steps", "two in one stage", "already down, idle and new nodes"),
-    "oobleck": ("one failure", "two in one iteration", "changes during recovery", "already down, idle and new nodes"),
-    "bamboo": ("one failure", "after the optimizer steps", "two in one stage", "changes during recovery"),
-    "swift": ("one failure", "after the optimizer steps", "two in one iteration", "standby used up"),
-}
+# a merged recovery for a restart, a re-instantiation and a failover), as each registration
+# names them; `-m full` runs the other cases.
+DEFAULT_TIER = {name: cls.tests.conformance_scripts for name, cls in REGISTRY.items()}
 CASES = [pytest.param(strategy, script, id=f"{strategy}-{script}",
                       marks=() if script in DEFAULT_TIER[strategy] else pytest.mark.full)
          for strategy in STRATEGIES for script in _scripts(1.0, (1.0, 1.0))]
@@ -122,3 +111,11 @@ def test_sim_and_local_agree(tmp_path, scripts, strategy, script):
     if strategy != "none" and script == "changes during recovery":  # both changes were merged into it
         assert [(m["event"], m["restarts"]) for m in sim["recoveries"][0]["merged"]] == [("join", False),
                                                                                        ("fail", True)]
+
+
+def test_every_registration_names_scripts_that_exist():
+    """A default-tier script a registration names must be one of the scripts (a typo would
+    leave the strategy out of the default tier without a word)."""
+    names = set(_scripts(1.0, (1.0, 1.0)))
+    for strategy, scripts in DEFAULT_TIER.items():
+        assert scripts and set(scripts) <= names, (strategy, sorted(set(scripts) - names))

@@ -280,8 +280,27 @@ def test_every_code_block_says_its_language():
 def test_the_readme_is_a_front_page():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) < README_MAX_LINES
-    assert all((ROOT / "docs" / "strategies" / f"{name}.md").exists()
-               for name in ("checkpoint", "checkfreq", "elastic-horovod", "varuna", "recycle", "oobleck", "bamboo", "swift"))
+
+
+def test_every_registered_strategy_has_its_page_its_yaml_and_its_table_rows():
+    """From the registry: a page under docs/strategies/, a conf/strategy/ YAML file on its own
+    schema, a row in the README's strategy table and in docs/strategies/README.md's."""
+    import re
+
+    from ftbench.strategies import REGISTRY
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    index = (ROOT / "docs" / "strategies" / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("| strategy | on a failure | page |"):].split("\n\n")[0]
+    readme_rows = set(re.findall(r"^\| `([\w-]+)` \|", table, re.M))
+    index_rows = set(re.findall(r"^\| \[`([\w-]+)`\]\([\w-]+\.md\) \|", index, re.M))
+    assert readme_rows == set(REGISTRY), "README.md's strategy table"
+    assert index_rows == set(REGISTRY) - {"none"}, "docs/strategies/README.md's table"
+    for name in REGISTRY:
+        yaml = (ROOT / "conf" / "strategy" / f"{name}.yaml").read_text(encoding="utf-8")
+        assert f"/schema/strategy/{name}@_here_" in yaml and f"name: {name}" in yaml, name
+        if name != "none":
+            assert (ROOT / "docs" / "strategies" / f"{name}.md").exists(), name
 
 
 @pytest.mark.parametrize("flag", ["--help", "--version"])

@@ -61,7 +61,7 @@ def test_seeds_cover_every_kind_of_event():
 def test_strategy_settings_come_with_the_strategy():
     for seed in range(30):
         assert random_case(seed, "none").strategy_overrides == ("strategy=none",)
-        for s in ("checkpoint", "checkfreq", "elastic-horovod", "varuna"):
+        for s in ("checkpoint", "checkfreq", "elastic-horovod", "varuna", "swift"):
             every = dict(o.split("=") for o in random_case(seed, s).strategy_overrides)["strategy.every"]
             assert every in ("1", "2", "3", "4") or (s == "checkfreq" and every == "null")
         fallback = dict(o.split("=") for o in random_case(seed, "recycle").strategy_overrides)["strategy.fallback"]
@@ -69,7 +69,7 @@ def test_strategy_settings_come_with_the_strategy():
         assert dict(o.split("=") for o in random_case(seed, "bamboo").strategy_overrides)["strategy.overload"] \
             in ("null", "0.05")
     with pytest.raises(ValueError):
-        random_case(0, "swift")
+        random_case(0, "no-such-strategy")
 
 
 def test_the_description_is_a_command_line_for_the_overrides_and_they_compose():

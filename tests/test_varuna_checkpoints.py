@@ -138,7 +138,9 @@ def _random_jumps(seed: str, mode: str, after_change: bool):
 
     from ftbench.loop import Checkpoints
 
-    class Rule:
+    from ftbench.strategies import Strategy
+
+    class Rule(Strategy):
         checkpoint_mode, checkpoint_after_change = mode, after_change
 
     rng = random.Random(seed)
@@ -146,7 +148,7 @@ def _random_jumps(seed: str, mode: str, after_change: bool):
         iterations, every = rng.randint(2, 60), rng.randint(1, 12)
         it = rng.randrange(iterations)
         n = rng.randint(1, iterations - it)
-        jump, step = (Checkpoints(Rule(), None, iterations, lambda _: None, True) for _ in range(2))
+        jump, step = (Checkpoints(Rule(None, None), None, iterations, lambda _: None, True) for _ in range(2))
         yield rng, iterations, every, it, n, jump, step
 
 

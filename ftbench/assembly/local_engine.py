@@ -25,7 +25,7 @@ def local_engine(cfg, ctx, strategy, run_dir: Path | None, log=None) -> LocalEng
         raise ConfigError("train.data_path" if cfg.train.data == "text" else "train.data", str(err),
                           "point train.data_path at a local text file, or use train.data=synthetic") from None
     store = None
-    if run_dir is not None and getattr(strategy, "checkpoint_mode", None) in (FILE, SNAPSHOT):
+    if run_dir is not None and strategy.checkpoint_mode in (FILE, SNAPSHOT):
         on_skip = None
         if log is not None:  # a skipped checkpoint is a metrics line, not only a warning
             def on_skip(reason: str, iteration: int) -> None:
@@ -33,7 +33,7 @@ def local_engine(cfg, ctx, strategy, run_dir: Path | None, log=None) -> LocalEng
                 warnings.warn(reason, CheckpointWarning, stacklevel=2)
         store = CheckpointStore(run_dir / "checkpoints", keep=cfg.strategy.get("keep", 2), on_skip=on_skip)
     boundary_log = None
-    if run_dir is not None and getattr(strategy, "log_dir", None):  # Swift's boundary log, in the run folder
+    if run_dir is not None and strategy.log_dir:  # Swift's boundary log, in the run folder
         from ftbench.engine.boundary_log import BoundaryLog
         boundary_log = BoundaryLog(inside(run_dir, "strategy.log_dir", strategy.log_dir))
     return LocalEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, store, cfg.backend.dtype, boundary_log)

@@ -15,7 +15,7 @@ from ftbench.strategies import build_strategy
 def run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
     cache = SimCache(ctx.cost_model, enabled=cfg.backend.memoize)
     with Progress(ctx, cfg.report.progress, "simulating") as progress:
-        backend = SimBackend(ctx, getattr(strategy, "extra_memory", None), getattr(strategy, "memory_breakdown", None))
+        backend = SimBackend(ctx, strategy.extra_memory, strategy.memory_breakdown)
         outcome = run_loop(ctx, strategy, cluster, script, backend, cache, log, progress)
     first = outcome.first_timeline
     if first is not None and cfg.report.gantt:

@@ -1,0 +1,52 @@
+"""Your own strategy from your own package (docs/extending.md): the page's example module,
+built into a package in a temporary folder with its entry point, is `strategy=peer-memory`
+and goes through conformance and the seeded random failure scripts with no edit here."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _page() -> str:
+    return (ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
+
+
+def _package(folder: Path) -> tuple[str, str]:
+    """The page's module and entry point as an installed package on `folder` (a dist-info
+    folder is what an install leaves for importlib.metadata); (strategy name, module code)."""
+    page = _page()
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    name, target = re.search(r'\[project\.entry-points\."ftbench\.strategies"\]\n([\w-]+) = "([\w.:]+)"', page).groups()
+    module = target.split(":")[0]
+    (folder / module).mkdir(parents=True)
+    (folder / module / "__init__.py").write_text(code, encoding="utf-8")
+    info = folder / f"{module}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n", encoding="utf-8")
+    (info / "entry_points.txt").write_text(f"[ftbench.strategies]\n{name} = {target}\n", encoding="utf-8")
+    return name, code
+
+
+@pytest.mark.slow
+def test_a_strategy_from_another_package_runs_through_conformance_and_the_random_scripts(tmp_path):
+    name, code = _package(tmp_path / "site")
+    scripts = re.findall(r'"([^"]+)"', re.search(r"conformance_scripts=\(([^)]*)\)", code).group(1))
+    env = {**os.environ, "WANDB_MODE": "disabled",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    selected = " and ".join(name.split("-"))  # -k reads a hyphen as an operator
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selected,
+                          "tests/test_conformance.py", "tests/test_random_failures.py"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    # its default-tier conformance scripts, one local random script against fault-free training,
+    # and the random scripts on sim
+    assert f"{len(scripts) + 2} passed" in out.stdout, out.stdout[-2000:]
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                             "-k", selected, "tests/test_conformance.py", "tests/test_random_failures.py"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert all(f"[{name}-{script}]" in listed.stdout for script in scripts), listed.stdout[-2000:]
