@@ -216,7 +216,7 @@ def main() -> None:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg) -> None:
-    from ftbench.report import swept_keys
+    from ftbench.run_tables import swept_keys
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN

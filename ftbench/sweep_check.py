@@ -1,5 +1,6 @@
 """The Hydra callback that ends a --multirun sweep (conf/config.yaml, `hydra.callbacks.sweep_check`):
-it logs the sweep's W&B table and makes a sweep with no "ok" job exit non-zero."""
+it logs the sweep's W&B table, draws the sweep's plots (ftbench/sweep_plots.py) and makes a
+sweep with no "ok" job exit non-zero."""
 from __future__ import annotations
 
 import json
@@ -72,8 +73,12 @@ class SweepCheck(Callback):
             log_sweep_table(sweep_dir, OmegaConf.select(config, "wandb"))
         code = sweep_exit_code(statuses)
         if not code:
+            from ftbench.sweep_plots import write_plots_quietly
+
+            plots = write_plots_quietly(sweep_dir)
             counts = ", ".join(f"{n} {status}" for status, n in sorted(Counter(str(s) for s in statuses).items()))
-            print(f"ftbench: sweep done ({counts}). Sweep folder: {sweep_dir}")
+            drawn = f" Plots: {', '.join(p.name for p in plots)}." if plots else ""
+            print(f"ftbench: sweep done ({counts}).{drawn} Sweep folder: {sweep_dir}")
         if code:
             counts = ", ".join(f"{n} {status}" for status, n in
                                sorted(Counter(str(s) for s in statuses).items())) or f"no {SUMMARY_FILE}"

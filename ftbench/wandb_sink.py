@@ -476,7 +476,7 @@ def sweep_rows(sweep_dir: Path | str) -> tuple[list[str], list[list[Any]]]:
     with, after `strategy`, one column per swept key (the summaries' `swept`, and override keys
     whose value differs between runs, as in `python -m ftbench.report`) that SWEEP_COLUMNS does
     not already show; its cells are the run's values (from its `overrides`)."""
-    from ftbench.report import column_value, load_runs, swept_columns
+    from ftbench.run_tables import column_value, load_runs, swept_columns
 
     sweep_dir = Path(sweep_dir)
     summaries = load_runs([sweep_dir])
