@@ -81,6 +81,7 @@ def format_summary(summary: dict) -> str:
     if charged:  # local: restarts a process cannot perform on itself, charged at the measured profile's cost
         clock_time += f" ({human_duration(charged)} of it charged for process restarts: hardware.restart_s)"
     rows = [
+        *([("swept", swept)] if (swept := swept_values(s)) else []),
         ("strategy", _or_dash(s.get("strategy"))),
         ("backend", _or_dash(s.get("backend"))),
         ("model", _or_dash(s.get("model"))),
@@ -92,11 +93,14 @@ def format_summary(summary: dict) -> str:
          if isinstance(throughput, (int, float)) else "-"),
         ("ETTR", _percent(summary_ettr(s))),
         ("failures", _or_dash(failure_count(s.get("failures")))),
-        ("recoveries", f"{totals['count']} (total {human_duration(totals['recovery_s'])})"),
+        ("recoveries", f"{totals['count']}{_causes(s)} (total {human_duration(totals['recovery_s'])})"),
         ("lost iterations", str(totals["lost_iterations"])),
         ("peak memory", _memory(peak)),
         ("status", status),
     ]
+    measured = measured_recovery(s)
+    if measured:
+        rows.insert(next(i for i, (name, _) in enumerate(rows) if name == "recoveries") + 1, ("measured (dist)", measured))
     if s.get("matches_fault_free") is not None:  # local runs that ran the equivalence check
         verdict = "yes" if s["matches_fault_free"] else f"NO ({s.get('fault_free_difference')})"
         rows.append(("matches fault-free", verdict + _against_floor(s)))
@@ -104,6 +108,36 @@ def format_summary(summary: dict) -> str:
         rows.append(("run folder", str(s["run_dir"])))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+def swept_values(s: dict) -> str:
+    """'strategy=checkpoint, seed=1': the values this run of a sweep ran with, as given."""
+    given = {}
+    for item in s.get("overrides") or []:
+        key, _, value = str(item).lstrip("+~").partition("=")
+        given[key] = value
+    return ", ".join(f"{k}={given[k]}" for k in s.get("swept") or [] if k in given)
+
+
+def _causes(s: dict) -> str:
+    """' (after 3 failures and 2 joins)': what the recoveries answered (joins grow a job back)."""
+    causes = [r.get("cause") for r in s.get("recoveries") or [] if isinstance(r, dict)]
+    fails, joins = causes.count("fail"), causes.count("join")
+    if not joins:
+        return ""
+    return f" (after {fails} failure{'s' if fails != 1 else ''} and {joins} join{'s' if joins != 1 else ''})"
+
+
+def measured_recovery(s: dict) -> str:
+    """dist: the measured recovery beyond the run loop's own: death to regroup (detection,
+    agreement, new groups), which happens before a recovery's actions start."""
+    measured = [r for r in s.get("measured_recoveries") or [] if isinstance(r, dict)]
+    regroup = [float(r["death_to_regroup_s"]) for r in measured if isinstance(r.get("death_to_regroup_s"), (int, float))]
+    if not regroup:
+        return ""
+    worst = max(regroup)
+    return (f"death to regroup {human_duration(sum(regroup))} over {len(regroup)} "
+            f"(worst {human_duration(worst)}), before the recoveries' actions above")
 
 
 def _against_floor(s: dict) -> str:

@@ -759,7 +759,7 @@ class RunLoop:
             out.plan_after_recovery = new
         record = {"time_s": t_event, "iteration": it, "recovery_s": seconds, "lost_iterations": it - restored,
                   "restored_iteration": restored, "actions": [type(a).__name__ for a in actions],
-                  "plan": new.name, "shape": new.shape}
+                  "plan": new.name, "shape": new.shape, "cause": event.kind}
         moved = [getattr(a, "copies", ()) for a in actions]  # (ftbench.transfers.Copies: made when read)
         total = sum(map(len, moved))
         if total:  # what moved between workers: layers, from, to, bytes (the first COPIES_LISTED of them)

@@ -99,7 +99,7 @@ def _table_cell(value: Any) -> Any:
 
 
 RECOVERY_COLUMNS = ("time_s", "iteration", "recovery_s", "lost_iterations", "restored_iteration",
-                    "actions", "plan", "shape")
+                    "actions", "plan", "shape", "cause")
 
 
 def _wandb_settings(wandb: Any) -> Any:

@@ -394,3 +394,22 @@ def test_sweep_exit_code():
 def test_format_summary_ends_with_the_run_folder():
     text = format_summary({"status": "ok", "backend": "sim", "run_dir": "/somewhere/run"})
     assert text.splitlines()[-1].split() == ["run", "folder", "/somewhere/run"]
+
+
+def test_the_console_summary_says_what_the_run_swept_and_what_its_recoveries_answered():
+    """Under a sweep the summary names the values this run ran with; recoveries after joins
+    (a job growing back) are counted apart from those after failures; on dist the measured
+    death to regroup, which the recoveries' own times leave out, is shown beside them."""
+    text = format_summary(summary(
+        swept=["strategy", "failures.job_mtbf_hours"], overrides=["strategy=oobleck", "failures.job_mtbf_hours=3",
+                                                                  "cluster.dp=4"],
+        recoveries=[{"cause": "fail", "recovery_s": 2.0}, {"cause": "fail", "recovery_s": 1.0},
+                    {"cause": "join", "recovery_s": 1.0}],
+        measured_recoveries=[{"death_to_regroup_s": 2.5}, {"death_to_regroup_s": 3.0}]))
+    lines = dict(line.split(None, 1) if not line.startswith(("measured", "pp x")) else (line[:15], line[15:])
+                 for line in text.splitlines())
+    assert lines["swept"].strip() == "strategy=oobleck, failures.job_mtbf_hours=3"
+    assert lines["recoveries"].strip() == "3 (after 2 failures and 1 join) (total 4.00 s)"
+    assert lines["measured (dist)"].strip().startswith("death to regroup 5.50 s over 2 (worst 3.00 s)")
+    plain = format_summary(summary(recoveries=[{"cause": "fail", "recovery_s": 2.0}]))
+    assert "swept" not in plain and "measured" not in plain and "join" not in plain
