@@ -40,12 +40,13 @@ _NOT_REFERENCE = ("failures", "report", "wandb", "hydra")
 
 def check(cfg, ctx, losses: list[float], state: dict, progress: bool = False) -> dict:
     """The summary's equivalence keys (`ftbench.equivalence.summary_fields`) for a run that
-    trained `losses` and final weights `state`."""
+    trained `losses` and final weights `state`, and the reference's losses
+    (`fault_free_losses`, drawn beside the run's in loss.png)."""
     ref_losses, ref_state = reference(cfg, ctx, progress=progress)
     floor = None
     if cfg.backend.dtype == "float32" and not identical(losses, state, ref_losses, ref_state):
         floor = float32_floor(cfg, ctx, ref_losses, ref_state, progress)
-    return summary_fields(losses, state, ref_losses, ref_state, floor)
+    return {**summary_fields(losses, state, ref_losses, ref_state, floor), "fault_free_losses": list(ref_losses)}
 
 
 def reference(cfg, ctx, progress: bool = False) -> tuple[list[float], dict]:

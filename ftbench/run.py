@@ -18,6 +18,7 @@ from ftbench.calibrate import apply as calibrate
 from ftbench.console import format_summary
 from ftbench.errors import ConfigError, UserError
 from ftbench.job import clock_of, common_fields, setup, totals
+from ftbench.loss_plot import plot_loss_quietly
 from ftbench.metrics import MetricsWriter, clean_stale_summaries, write_summary
 from ftbench.progress_lines import ProgressLines
 from ftbench.strategies import build_strategy
@@ -97,6 +98,7 @@ def _execute(cfg, run_dir: Path, wandb_group, summary: dict, started: float, met
         finally:
             if lines is not None:
                 lines.stop()
+        plot_loss_quietly(summary, run_dir)  # after the run: beside the reference it was checked against
     except UserError as err:
         config_error = isinstance(err, ConfigError)
         summary.update(status=err.status, error=str(err))

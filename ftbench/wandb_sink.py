@@ -419,6 +419,15 @@ class WandbSink:
 
     def _log_media(self, wandb: Any, summary: dict) -> None:
         media: dict[str, Any] = {"recoveries": recoveries_table(wandb, summary)}
+        losses, reference = summary.get("losses"), summary.get("fault_free_losses")
+        if losses and reference:  # loss.png's series: this run beside fault-free training
+            table = wandb.Table(columns=["iteration", "loss", "fault_free_loss"],
+                                data=[[i, _table_cell(a), _table_cell(b)] for i, (a, b) in enumerate(zip(losses, reference))])
+            media["loss_vs_fault_free"] = table
+            media["loss_vs_fault_free_chart"] = wandb.plot.line_series(
+                xs=list(range(len(reference))), ys=[[a if isinstance(a, (int, float)) else None for a in losses],
+                                                     list(reference)],
+                keys=["this run", "fault-free"], title="loss per iteration", xname="iteration")
         for png in sorted(self.run_dir.glob("*.png")):
             key = "gantt" if png.name == "gantt.png" else f"plots/{png.stem}"
             media[key] = wandb.Image(str(png), caption=png.name)

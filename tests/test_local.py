@@ -92,6 +92,9 @@ def test_default_job_checks_itself_and_matches(tmp_path):
     assert r["iteration"] == 5 and r["restored_iteration"] == 5 // every * every
     assert r["lost_iterations"] == 5 - r["restored_iteration"]
     assert len(s["losses"]) == 8 and s["throughput"] > 0
+    # the reference it was checked against: its losses in the summary, both drawn in loss.png
+    assert s["fault_free_losses"] == s["losses"] and s["recoveries"][0]["cause"] == "fail"
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_local_summary_and_metrics(tmp_path):

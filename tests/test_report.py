@@ -413,3 +413,14 @@ def test_the_console_summary_says_what_the_run_swept_and_what_its_recoveries_ans
     assert lines["measured (dist)"].strip().startswith("death to regroup 5.50 s over 2 (worst 3.00 s)")
     plain = format_summary(summary(recoveries=[{"cause": "fail", "recovery_s": 2.0}]))
     assert "swept" not in plain and "measured" not in plain and "join" not in plain
+
+
+def test_loss_png_is_drawn_only_beside_a_reference(tmp_path):
+    from ftbench.loss_plot import plot_loss
+
+    run = summary(losses=[5.0, 4.8, None], fault_free_losses=[5.0, 4.8, 4.7], matches_fault_free=False,
+                  recoveries=[{"iteration": 2, "restored_iteration": 1, "cause": "fail", "recovery_s": 1.0},
+                              {"iteration": 2, "cause": "join", "recovery_s": 0.5}])
+    assert_png(plot_loss(run, tmp_path / "loss.png"))
+    assert plot_loss(summary(losses=[5.0]), tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()
