@@ -485,7 +485,7 @@ class DistBackend:
                 t.worker_rank[w] = spare * self.g + i
             for i in range(self.g):
                 self.node_of_rank[spare * self.g + i] = node
-        t._prepared = None  # the same plan may now run on other ranks
+        t.forget_plan()  # the same plan may now run on other ranks
 
     def save(self, plan, iteration: int, mode: str) -> SaveCost:
         """A checkpoint: in-memory commits stay in each process; files are written by the

@@ -47,13 +47,14 @@ class DistEngine(EngineState):
         # Swift's boundary log (ftbench.engine.boundary_log): this rank's own BoundaryLog on the
         # run folder every rank shares, so a replay reads what the other ranks' workers sent
         super().__init__(ctx, data, lr, weight_decay, dtype, store, boundary_log, device)
+        # `undone` (EngineState's): optimizer steps undone over the run by the whole job
+        # (abandoned iterations), as this rank learnt it: each strike's survivors sum their
+        # counts (DistBackend)
         # backend.unannounced=recover: an unannounced death rolls the survivors back to the start
         # of the iteration in flight (roll_back). Nothing is copied for it: every replica's
         # optimizer steps through its StepUndo (ftbench.engine.undo), which keeps the step's
         # gradient until the iteration completes, as scripted strikes after a step need too.
         self.undo = undo
-        # `undone`: optimizer steps undone over the run by the whole job (abandoned iterations),
-        # as this rank learnt it: each strike's survivors sum their counts (DistBackend)
         self.kill = kill  # backend.kill: (rank, iteration, ops) where this job's chaos test dies
         self.recompute = recompute  # train.recompute, as the local backend's executor takes it
         self.transport = transport

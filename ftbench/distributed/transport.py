@@ -336,6 +336,11 @@ class DistTransport:
         while groups:  # the thread holds the only reference (no name here keeps one): the destructor runs there
             threading.Thread(target=_drop, args=([groups.pop()],), name="ftbench-close-group", daemon=True).start()
 
+    def forget_plan(self) -> None:
+        """Workers moved to other ranks (a standby took them over): the next `prepare` builds
+        the groups again, even for the plan prepared last."""
+        self._prepared = None
+
     def prepare(self, plan) -> None:
         """Create the process groups `plan` needs (collective: every rank, same plan, same point)."""
         key = plan.key()
