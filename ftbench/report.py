@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plots", action="store_true",
                         help="also draw the sweep's plots into the (first) folder given: each metric per strategy "
                              "against each swept key, throughput over time, recovery time by action")
+    parser.add_argument("--publish", action="store_true",
+                        help="save the sweep's W&B Report in W&B (its definition: wandb-report.json in the sweep "
+                             "folder), after `wandb sync` of its runs; needs `wandb login`")
     parser.add_argument("--cell", help="with --plots: the cell of the over-time plot, key=value,... (default: the "
                                        "first setup, lowest seed)")
     args = parser.parse_args(argv)
@@ -74,6 +77,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         for path in write_plots(folder if folder.is_dir() else folder.parent, cell=args.cell):
             print(f"wrote {path}", file=sys.stderr)
+    if args.publish:
+        from ftbench.errors import UserError
+        from ftbench.wandb_report import publish
+
+        try:
+            print(f"W&B report: {publish(Path(args.paths[0]))}", file=sys.stderr)
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     return 0
 
 

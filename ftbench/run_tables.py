@@ -321,6 +321,11 @@ def swept_columns(runs: list[dict], columns: list[str], aggregated: bool) -> lis
             and not (aggregated and k in SEED_KEYS)]
 
 
+def x_keys(runs: list[dict]) -> list[str]:
+    """The swept keys a plot can put on its x axis: all but the strategy and the seeds."""
+    return [k for k in swept_columns(runs, [], aggregated=False) if k not in ("strategy", *SEED_KEYS)]
+
+
 def _table_columns(runs: list[dict], columns: list[str] | None, groups: list[list[dict]],
                    clocks: set[str]) -> list[str]:
     aggregated = any(len(group) > 1 for group in groups)

@@ -74,8 +74,10 @@ class SweepCheck(Callback):
         code = sweep_exit_code(statuses)
         if not code:
             from ftbench.sweep_plots import write_plots_quietly
+            from ftbench.wandb_report import write_report_quietly
 
             plots = write_plots_quietly(sweep_dir)
+            write_report_quietly(sweep_dir)
             counts = ", ".join(f"{n} {status}" for status, n in sorted(Counter(str(s) for s in statuses).items()))
             drawn = f" Plots: {', '.join(p.name for p in plots)}." if plots else ""
             print(f"ftbench: sweep done ({counts}).{drawn} Sweep folder: {sweep_dir}")

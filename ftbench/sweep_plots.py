@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftbench.run_tables import SEED_KEYS, column_value, load_runs, run_clock, swept_columns
+from ftbench.run_tables import SEED_KEYS, column_value, load_runs, run_clock, swept_columns, x_keys
 from ftbench.tables import interval95, throughput_series
 
 METRICS = (("throughput", "throughput (samples/s)"), ("ettr", "ETTR"), ("recovery_s", "recovery time per run (s)"))
@@ -47,11 +47,6 @@ def _metric(run: dict, name: str) -> float | None:
         return recovery_total(run)
     value = run.get(name)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def x_keys(runs: list[dict]) -> list[str]:
-    """The swept keys a plot can put on its x axis: all but the strategy and the seeds."""
-    return [k for k in swept_columns(runs, [], aggregated=False) if k not in ("strategy", *SEED_KEYS)]
 
 
 def _label(run: dict, others: list[str]) -> str:

@@ -446,6 +446,9 @@ class TableReport(Callback):
             return
         print(f"ftbench: paper table: {files['table.md']} (also {', '.join(p.name for n, p in files.items() if n != 'table.md')})",
               file=sys.stderr)
+        from ftbench.wandb_report import write_report_quietly
+
+        write_report_quietly(sweep_dir)  # again, now with the paper table
 
 
 def main(argv: list[str] | None = None) -> int:

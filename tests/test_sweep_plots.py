@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ftbench.sweep_plots import cell_runs, parse_cell, recovery_breakdown, series, write_plots, x_keys
+from ftbench.run_tables import x_keys
+from ftbench.sweep_plots import cell_runs, parse_cell, recovery_breakdown, series, write_plots
 from ftbench.tables import interval95
 
 ROOT = Path(__file__).resolve().parents[1]
