@@ -230,6 +230,11 @@ def _failures_per_day(spec: dict, column: str) -> float | None:
 
 
 def plot_vs_failures(spec: dict, records: list[dict], path: Path) -> Path | None:
+    """Throughput against failures per day, one panel per model: ours (filled, with the 95 %
+    interval) beside the paper's (hollow, dotted); a cell that did not end ok (OOM) is an X at
+    zero with its status, as is a paper cell that reads OOM; the systems are set slightly apart
+    on x so that equal points (the fault-free column) do not hide one another; one legend for
+    every system of every panel."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -238,32 +243,52 @@ def plot_vs_failures(spec: dict, records: list[dict], path: Path) -> Path | None
     if not models:
         return None
     labels = _model_names(spec)
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4.0), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     systems = list(dict.fromkeys([*(spec.get("rows") or {}).values(), *(r["system"] for r in records)]))
+    xs = [x for c in spec.get("columns") or {} for x in [_failures_per_day(spec, c)] if x is not None]
+    dodge = 0.012 * (max(xs) - min(xs) if len(xs) > 1 else 1.0)
+    handles: dict[str, object] = {}
     for ax, model in zip(axes[0], models):
         for i, system in enumerate(systems):
             colour = colours[i % len(colours)]
-            ours = sorted((x, r) for r in records if r["model"] == model and r["system"] == system
-                          for x in [_failures_per_day(spec, r["column"])] if x is not None and r.get("throughput"))
+            shift = (i - (len(systems) - 1) / 2) * dodge
+            mine = [(x, r) for r in records if r["model"] == model and r["system"] == system
+                    for x in [_failures_per_day(spec, r["column"])] if x is not None]
+            ours = sorted((x, r) for x, r in mine if r.get("throughput"))
             if ours:
-                ax.errorbar([x for x, _ in ours], [r["throughput"] for _, r in ours],
-                            yerr=[r.get("ci95") or 0 for _, r in ours], marker="o", color=colour, label=system,
-                            capsize=3)
+                line = ax.errorbar([x + shift for x, _ in ours], [r["throughput"] for _, r in ours],
+                                   yerr=[r.get("ci95") or 0 for _, r in ours], marker="o", color=colour,
+                                   label=system, capsize=3)
+                handles.setdefault(system, line)
+            for x, r in mine:
+                if not r.get("throughput"):  # OOM or unrecoverable in every seed: no point to draw
+                    mark = ax.plot([x + shift], [0.0], marker="X", markersize=9, color=colour, linestyle="none",
+                                   label=system)[0]
+                    handles.setdefault(system, mark)
+                    ax.annotate(str(r.get("status", "")).upper() if r.get("status") == "oom" else str(r.get("status")),
+                                (x + shift, 0.0), textcoords="offset points", xytext=(0, 7 + 9 * (i % 3)), ha="center",
+                                fontsize=7, color=colour)
             paper = sorted((x, v) for c in spec.get("columns") or {}
                            for v in [_paper_value(spec, model, system, c)] for x in [_failures_per_day(spec, c)]
                            if isinstance(v, (int, float)) and x is not None)
             if paper:
-                ax.plot([x for x, _ in paper], [v for _, v in paper], linestyle=":", marker="o",
+                ax.plot([x + shift for x, _ in paper], [v for _, v in paper], linestyle=":", marker="o",
                         markerfacecolor="none", color=colour)
+            for c in spec.get("columns") or {}:  # the paper's OOM cells
+                x = _failures_per_day(spec, c)
+                if x is not None and str(_paper_value(spec, model, system, c)).upper() == "OOM":
+                    ax.plot([x + shift], [0.0], marker="x", markersize=8, color=colour, linestyle="none")
         ax.set_title(labels.get(model, model))
         ax.set_xlabel("failures per day")
         ax.set_ylabel("throughput (samples/s)")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8, title="ours (filled); paper (hollow, dotted)", title_fontsize=7)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(6, len(handles)), fontsize=8,
+               title="ours (filled, 95 % interval); paper (hollow, dotted); X: not ok (ours), x: OOM (paper)",
+               title_fontsize=7, frameon=False)
     fig.suptitle(spec.get("title") or spec["name"], fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path, dpi=120, facecolor="white")
     plt.close(fig)
     return path
