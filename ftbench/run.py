@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -173,6 +174,19 @@ def table_strategy_settings(cfg, overrides=(), echo=None) -> None:
             OmegaConf.update(cfg, f"strategy.{key}", value, merge=True)
 
 
+def say_if_oversubscribed(ranks: int, launcher: str) -> bool:
+    """dist on this machine with more worker processes than usable cores: say so once, at the
+    start (its times then measure the cores' sharing as much as the strategy)."""
+    from ftbench.threads import usable_cpus
+
+    cores = usable_cpus()
+    if launcher != "self" or ranks <= cores:
+        return False
+    print(f"ftbench: {ranks} dist ranks share {cores} usable core(s) on this machine: every process gets a "
+          f"fraction of a core, so wall times measure the sharing too", file=sys.stderr)
+    return True
+
+
 def _run(cfg, run_dir: Path, log, shared_dir: Path | None = None) -> dict:
     ctx, cluster, script = setup(cfg, run_dir, shared_dir)
     if ctx.backend not in AVAILABLE_BACKENDS:
@@ -192,5 +206,7 @@ def _run(cfg, run_dir: Path, log, shared_dir: Path | None = None) -> dict:
         return {**common, **run_local(cfg, ctx, strategy, cluster, script, run_dir, log, clock)}
     if ctx.backend == "dist":  # one process per worker (ftbench/distributed/launch.py)
         from ftbench.distributed.launch import run_dist
+
+        say_if_oversubscribed(cluster.pp * cluster.dp, cfg.backend.get("launcher", "self"))
         return {**common, **run_dist(cfg, ctx, strategy, cluster, script, run_dir, log, clock)}
     return {**common, **run_sim(cfg, ctx, strategy, cluster, script, run_dir, log)}

@@ -424,3 +424,14 @@ def test_loss_png_is_drawn_only_beside_a_reference(tmp_path):
     assert_png(plot_loss(run, tmp_path / "loss.png"))
     assert plot_loss(summary(losses=[5.0]), tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_a_dist_job_with_more_ranks_than_cores_says_so(capsys, monkeypatch):
+    import ftbench.threads as threads
+    from ftbench.run import say_if_oversubscribed
+
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    assert say_if_oversubscribed(16, "self")
+    assert "16 dist ranks share 2 usable core(s)" in capsys.readouterr().err
+    assert not say_if_oversubscribed(2, "self") and not say_if_oversubscribed(16, "torchrun")
+    assert capsys.readouterr().err == ""
