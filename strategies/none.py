@@ -24,5 +24,6 @@ class NoFaultTolerance(Strategy):
         if event.kind == "fail" and in_use:
             return Recovery(unrecoverable=(
                 f"node {event.node} failed during iteration {iteration} and strategy `none` has no "
-                "fault tolerance; it is the fault-free baseline, so run a fault-tolerant strategy to train through failures"))
+                "fault tolerance; it is the fault-free baseline, so run a fault-tolerant strategy to train through failures, "
+                "or add failures=none to train without the failure script (the default job has one)"))
         return Recovery()
