@@ -58,7 +58,8 @@ def test_multirun_sweep_gives_one_folder_per_job(tmp_path):
     assert out.returncode == 0, out.stderr
     summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
     assert len(summaries) == 2
-    assert f"ftbench: sweep done (2 ok). Sweep folder: {tmp_path}/sweep" in out.stdout
+    assert (f"ftbench: sweep done (2 ok). Plots: vs-schedule.png, over-time.png, recovery-breakdown.png. "
+            f"Sweep folder: {tmp_path}/sweep") in out.stdout
     runs = [json.loads(p.read_text()) for p in summaries]
     assert {r["schedule"] for r in runs} == {"1f1b", "zb-h1"} and all(r["status"] == "ok" for r in runs)
     zb = next(r for r in runs if r["schedule"] == "zb-h1")
