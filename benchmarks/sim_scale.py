@@ -38,8 +38,8 @@ line per grid with the sets checked and the largest slow-down and speed-up.
 Typical duration on 2 shared cores: 11-21 s at 1,024 GPUs (recycle 2-4 s of it, with 8 or 1 GPUs
 per node), then 2-5 min for the normalisation check; 2-5 min at 16k with 8 per node (recycle about
 1 min of it: 54-63 s measured on 2026-11-27 at load average 1.3-1.9); with 1 GPU per node at 16k
-recycle takes about 2 min (129-135 s) (docs/strategies/recycle.md, "Scale"); --growth not
-re-measured (earlier: about 5 min).
+recycle takes about 2 min (123 s at load average 3 to 4, 150-212 s at 5 to 9, on 2026-11-27)
+(docs/strategies/recycle.md, "Scale"); --growth not re-measured (earlier: about 5 min).
 """
 from __future__ import annotations
 
