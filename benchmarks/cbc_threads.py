@@ -2,7 +2,7 @@
 
 CBC 2.10's threaded branch and bound (what `-threads 1` selects) sometimes leaves its main
 thread waiting for a worker thread that never starts, until the time limit (coin-or/Cbc#640).
-ftbench asks for no threads (ftbench.planning.milp._cbc). This solves Oobleck's batch split of
+ftbench asks for no threads (ftbench.planning.milp.cbc_solver). This solves Oobleck's batch split of
 two equal pipelines (3 variables) `--solves` times each way, interleaved, with a short time
 limit, and prints the solves that ran to it and the median time of the others.
 
@@ -23,7 +23,7 @@ DURATION = "15-30 s on 2 shared cores for 500 solves each way; every solve that 
 
 def split_problem(threads: int | None, time_limit_s: float) -> float:
     """One solve of min Z, Z >= a + b*B_p, B_0 + B_1 = 4, B_0 >= B_1 >= 1; its wall time."""
-    from ftbench.planning.milp import _cbc, variable
+    from ftbench.planning.milp import cbc_solver, variable
 
     problem = pulp.LpProblem("split", pulp.LpMinimize)
     z = variable(problem, "slowest", 0, None)
@@ -33,7 +33,7 @@ def split_problem(threads: int | None, time_limit_s: float) -> float:
         problem += z >= 0.5 + 1.0 * b[p]
     problem += pulp.lpSum(b) == 4
     problem += b[0] >= b[1]
-    solver = _cbc(time_limit_s, None)
+    solver = cbc_solver(time_limit_s, None)
     if threads is not None:
         solver.optionsDict["threads"] = threads
     started = time.perf_counter()

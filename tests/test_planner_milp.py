@@ -190,6 +190,6 @@ def test_cbc_runs_without_its_threaded_search():
     Oobleck's 3-variable batch split took the full 10 s in about 1 solve in 300. On `dist`
     that made one rank 10 s late into a recovery. Without the option CBC searches in one
     thread, as deterministically."""
-    from ftbench.planning.milp import _cbc
+    from ftbench.planning.milp import cbc_solver
 
-    assert "threads" not in _cbc(10.0, None).optionsDict
+    assert "threads" not in cbc_solver(10.0, None).optionsDict
