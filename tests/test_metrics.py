@@ -210,12 +210,13 @@ def test_sink_rows_keep_events_apart_on_the_iteration_axis(tmp_path, monkeypatch
     (tmp_path / "final_model").mkdir()
     (tmp_path / "summary.json").write_text("{}")
     recoveries = [{"time_s": 1.0, "iteration": 6, "recovery_s": 30.0, "lost_iterations": 2,
-                   "restored_iteration": 4, "actions": ["RestartJob"], "plan": "1f1b", "shape": "pp=4 dp=2"}]
+                   "restored_iteration": 4, "actions": ["RestartJob"], "plan": "1f1b", "shape": "pp=4 dp=2",
+                   "cause": "fail"}]
     sink.finish(full_summary(recoveries=recoveries, run_dir=str(tmp_path),
                              final_state=str(tmp_path / "final_model")))
     media = run.logged[-1]
     assert media["recoveries"].columns[:4] == ["time_s", "iteration", "recovery_s", "lost_iterations"]
-    assert media["recoveries"].data == [[1.0, 6, 30.0, 2, 4, "RestartJob", "1f1b", "pp=4 dp=2"]]
+    assert media["recoveries"].data == [[1.0, 6, 30.0, 2, 4, "RestartJob", "1f1b", "pp=4 dp=2", "fail"]]
     assert media["gantt"].path.endswith("gantt.png") and media["plots/other"].path.endswith("other.png")
     assert [(a.name, a.type) for a in run.artifacts] == [("model-fake1", "model"), ("summary-fake1", "summary")]
     assert run.finished == 0
