@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ftbench.run_tables import SEED_KEYS, column_value, load_runs, run_clock, swept_columns, x_keys
-from ftbench.tables import interval95, throughput_series
+from ftbench.tables import interval95, throughput_axes, throughput_series
 
 METRICS = (("throughput", "throughput (samples/s)"), ("ettr", "ETTR"), ("recovery_s", "recovery time per run (s)"))
 FAILED = ("oom", "unrecoverable", "error", "diverged", "died", "interrupted")
@@ -206,11 +206,7 @@ def plot_over_time(runs: list[dict], path: Path, cell: dict[str, str] | None = N
     shown = ", ".join(f"{k}={v}" for k, v in cell.items()) or "every run"
     seeds = sorted({str(r.get("seed")) for r in chosen})
     ax.set_title(f"throughput over time: {shown}, seed {', '.join(seeds)}", fontsize=10)
-    ax.set_xlabel("time (hours, " + _clock_unit(chosen).replace(" s", " clock") + ")")
-    ax.set_ylabel("samples/s")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    throughput_axes(ax, "time (hours, " + _clock_unit(chosen).replace(" s", " clock") + ")")
     fig.tight_layout()
     fig.savefig(path, dpi=110, facecolor="white")
     plt.close(fig)

@@ -374,15 +374,20 @@ def plot_over_time(spec: dict, cells: list[dict], path: Path) -> Path | None:
     labels = _model_names(spec)
     ax.set_title(f"{labels.get(model, model)}, failures {column} (seed {next(iter(first_seed.values())).get('seed', 0)}): "
                  "throughput over time", fontsize=10)
-    ax.set_xlabel("time (simulated hours)")
-    ax.set_ylabel("samples/s")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    throughput_axes(ax, "time (simulated hours)")
     fig.tight_layout()
     fig.savefig(path, dpi=120, facecolor="white")
     plt.close(fig)
     return path
+
+
+def throughput_axes(ax, xlabel: str) -> None:
+    """The axes of a throughput-over-time plot (throughput_series): samples/s from zero, legend."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("samples/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
 
 
 # --------------------------------------------------------------------------- the report

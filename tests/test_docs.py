@@ -44,6 +44,8 @@ SKIPPED = [
      "wandb sync needs the network; tests/test_metrics.py copies an offline run folder elsewhere "
      "and finds its metrics, config, console, tables, images and artifacts in the .wandb file"),
     (r"^python -m ftbench\.tables ", "needs a table sweep's folder; tests/test_tables.py runs it"),
+    (r"strategy=peer-memory", "a strategy from another package (docs/extending.md): tests/test_extending.py "
+                              "builds the package from the page and runs it through conformance and the random scripts"),
     (r"^python -m ftbench\.report .*--publish", "saves a report in W&B: needs a login and the network; "
                                                  "tests/test_wandb_report.py builds the report and checks its panels"),
     (r"^ftbench calibrate|^python -m ftbench\.measure", "measures this machine for over a minute and writes "
