@@ -19,6 +19,10 @@ SNAPSHOT = "snapshot"  # two-phase: copy to host memory (stall), persist to file
 MEMORY = "memory"  # in-memory commit on each worker; gone with the worker (Elastic Horovod)
 CHECKPOINT_MODES = (FILE, SNAPSHOT, MEMORY)
 
+# The tiers a strategy may keep at once (CheckpointTier): at most one in memory and one on storage.
+MEMORY_MODES = (MEMORY,)
+STORAGE_MODES = (FILE, SNAPSHOT)
+
 # fp32 master weights + Adam's two moments; the fp16 working weights are re-cast from the master copy.
 CHECKPOINT_BYTES_PER_PARAM = 12
 
@@ -38,6 +42,31 @@ class Transfer:
         blocks = [f"blocks {self.layers[0]}-{self.layers[1] - 1}"] if self.layers[1] > self.layers[0] else []
         parts = (["embedding"] if self.embedding else []) + blocks + (["head"] if self.head else [])
         return f"{' + '.join(parts)}: worker {self.src} -> {self.dst} ({self.nbytes / 1e6:.3g} MB)"
+
+
+@dataclass(frozen=True)
+class CheckpointTier:
+    """One tier of a strategy's periodic checkpoints: where they live (`mode`) and every how
+    many iterations one is saved. `every=None`: at the interval the strategy's
+    `checkpoint_interval` gives for the costs of the plan in force (tuned); at most one tier is.
+    A modern strategy keeps two (Gemini: in memory every iteration, files every few hours),
+    and its recovery says which it restores (RestoreCheckpoint.source)."""
+    mode: str
+    every: int | None = None
+
+
+@dataclass(frozen=True)
+class LogBoundaries:
+    """Per-iteration work (Swift's logging): every tensor sent across `boundaries` ((pipeline,
+    s): the edge between stages s and s+1) is copied to host memory and written to the run's
+    log files in the background, each with its iteration and sender. The modelled clock charges
+    what the copy and the write do not hide behind the iteration (recovery_costs); `local` and
+    `dist` log the sends for real (ftbench.engine.boundary_log)."""
+    boundaries: frozenset
+
+
+# Work a strategy asks of every iteration (Strategy.iteration_work); a backend must handle each.
+ITERATION_WORK = (LogBoundaries,)
 
 
 @dataclass(frozen=True)

@@ -122,10 +122,11 @@ def schema_keys() -> list[str]:
     for group, schema in (("model", config.ModelConfig), ("hardware", config.HardwareConfig),
                           ("cluster", config.ClusterConfig), ("train", config.TrainConfig),
                           ("schedule", config.ScheduleConfig), ("backend", config.BackendConfig),
-                          ("failures", config.FailuresConfig), ("strategy", config.ReCycleConfig),
-                          ("wandb", config.WandbConfig), ("report", config.ReportConfig)):
+                          ("failures", config.FailuresConfig), ("wandb", config.WandbConfig),
+                          ("report", config.ReportConfig)):
         out += [f"{group}.{f.name}" for f in dataclasses.fields(schema)]
-    return out + ["seed"]
+    strategy = {f"strategy.{f.name}" for schema in config.strategy_schemas().values() for f in dataclasses.fields(schema)}
+    return out + sorted(strategy) + ["seed"]
 
 
 def _check_keys(cfg) -> None:

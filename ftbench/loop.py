@@ -28,6 +28,7 @@ from typing import Protocol
 
 from ftbench.actions import (FILE, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint,
                              WaitForReplacement)
+from ftbench.checkpoint_schedule import Checkpoints
 from ftbench.cluster import Cluster
 from ftbench.errors import ReplayUnavailable, TooFewNodes, UserError
 from ftbench.events import EventQueue
@@ -35,7 +36,7 @@ from ftbench.failures import ITERATION_EVENT_FRACTION, FailureEvent, FailureScri
 from ftbench.journal import Journal, JournaledBackend
 from ftbench.outcome import RunOutcome
 from ftbench.plan import Plan
-from ftbench.recovery_costs import CheckpointLedger, SaveCost, action_seconds, save_cost
+from ftbench.recovery_costs import SaveCost, action_seconds
 from ftbench.schedule import OPT
 from ftbench.sim.simulator import SimResult, ops_completed_at
 from ftbench.transfers import copy_sizes
@@ -165,136 +166,6 @@ class KeptIterations:
 
     def seconds(self) -> float:
         return math.fsum(count * each for _, count, each in self.runs)
-
-
-class Checkpoints:
-    """The strategy's periodic checkpoints: the interval (recomputed for every new plan, from
-    modelled or measured costs), when saves are due, and on the modelled clock when each
-    becomes durable. Runs of iterations with their checkpoints advance in closed form.
-
-    A strategy with `checkpoint_after_change = True` (varuna) also checkpoints right after
-    the first iteration that completes after each recovery (a restart, a morph): the job saves
-    once it has trained one iteration in its new shape, whatever the interval, so the next
-    failure never rolls back past it. That save is an ordinary one (same cost, same ledger);
-    where it falls on a multiple of the interval it is that checkpoint, not a second one.
-    A strategy's `save_s` (strategy.save_s), when set, is the modelled stall of every save."""
-
-    def __init__(self, strategy, cost_model, iterations: int, log, modelled: bool):
-        self.strategy, self.cost_model, self.iterations, self.log = strategy, cost_model, iterations, log
-        self.mode = strategy.checkpoint_mode
-        self.modelled = modelled
-        self.after_change_rule = self.mode is not None and bool(strategy.checkpoint_after_change)
-        self.after_change: int | None = None  # the iteration after which the post-change checkpoint is due
-        self.save_s: float | None = strategy.save_s
-        self.ledger = CheckpointLedger()
-        self.every: int | None = None  # unknown until the plan's iteration time is
-        self.stall = self.persist = self.T = 0.0
-        self.measured = SaveCost(0.0, 0.0)  # wall clock: the last save's cost
-        self._plan = None
-        self._cost: tuple | None = None  # (plan, its modelled SaveCost): the last one asked for
-
-    def modelled_cost(self, plan) -> SaveCost:
-        if self._cost is None or self._cost[0] is not plan:
-            self._cost = (plan, save_cost(self.mode, plan, self.cost_model, self.save_s))
-        return self._cost[1]
-
-    def recovered(self, restored: int) -> None:
-        """A recovery resumed training at iteration `restored`: with the post-change rule, a
-        checkpoint is due once iteration `restored` completes (replacing any still pending)."""
-        if self.after_change_rule:
-            self.after_change = restored + 1
-
-    def saved(self, iteration: int) -> None:
-        """A checkpoint was written after `iteration` iterations."""
-        if self.after_change is not None and iteration >= self.after_change:
-            self.after_change = None
-
-    def use(self, plan, T: float | None) -> None:
-        """Continue with `plan`, whose iteration takes T seconds (None: not measured yet)."""
-        if T is not None:
-            self.T = T
-        if self.mode is None or plan is self._plan or T is None:
-            return
-        cost = self.modelled_cost(plan) if self.modelled else self.measured
-        self.stall, self.persist, self.T, self._plan = cost.stall_s, cost.persist_s, T, plan
-        self.every = self.strategy.checkpoint_interval(T, cost.stall_s, cost.persist_s)
-        self.log({"event": "checkpoint_interval", "every": self.every, "stall_s": cost.stall_s,
-                  "persist_s": cost.persist_s, "plan": plan.name})
-
-    def needs_measure(self, plan) -> bool:
-        return self.mode is not None and plan is not self._plan
-
-    def due(self, it: int) -> bool:
-        """A checkpoint after iteration `it` (none after the run's last iteration): a multiple
-        of the interval, or the post-change checkpoint."""
-        if self.mode is None or it >= self.iterations:
-            return False
-        return (self.every is not None and it % self.every == 0) or it == self.after_change
-
-    # -- closed form (jumping backends) --------------------------------------------------
-    def _extra(self, it: int, end: int) -> int | None:
-        """The post-change checkpoint when it falls in (it, end] off the interval's multiples."""
-        at = self.after_change
-        if at is None or not it < at <= end or (self.every is not None and at % self.every == 0):
-            return None
-        return at
-
-    def _saves(self, it: int, n: int) -> int:
-        if self.mode is None or self.every is None:
-            return 0
-        end = min(it + n, self.iterations - 1)
-        return max(end // self.every - it // self.every, 0) + (self._extra(it, end) is not None)
-
-    def span(self, it: int, n: int, t: float) -> float:
-        """Seconds that n iterations from (it, t) take with their saves' stalls, and the waits
-        of snapshots for the previous persist: one persist runs at a time (CheckFreq), so a
-        snapshot due before it ends waits, as `persist_wait` does one save at a time."""
-        saves = self._saves(it, n)
-        span = n * self.T + saves * self.stall
-        if saves:  # a persist runs only in snapshot mode, which has no extra post-change save (varuna writes files)
-            first = (it // self.every + 1) * self.every
-            span += self.persist_wait(t + (first - it) * self.T)
-            span += (saves - 1) * max(0.0, self.persist - self.every * self.T)  # steady state: the same each time
-        return span
-
-    def persist_wait(self, start: float) -> float:
-        """How long a save starting at `start` waits for the previous checkpoint's persist."""
-        return max(0.0, self.ledger.last_durable - start)
-
-    def fit(self, it: int, t: float, t_limit: float, most: int) -> int:
-        """The most iterations (<= most) that, with their checkpoint stalls, end by t_limit."""
-        if math.isinf(t_limit):
-            return most
-        lo, hi = 0, most
-        while lo < hi:  # the span grows with n: bisect
-            mid = (lo + hi + 1) // 2
-            if t + self.span(it, mid, t) <= t_limit * (1 + 1e-12):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def advance(self, it: int, t: float, n: int) -> tuple[float, int, list[int]]:
-        """n iterations from (it, t): end time, checkpoints written, the newest few of them."""
-        saves = self._saves(it, n)
-        newest = []
-        if saves:
-            end = min(it + n, self.iterations - 1)
-            periodic = end // self.every - it // self.every
-            last = end // self.every * self.every
-            # the newest few are all a restore can want
-            points = [last - k * self.every for k in range(min(periodic, 3))]
-            extra = self._extra(it, end)
-            if extra is not None:
-                points.append(extra)
-            newest = sorted(points)[-3:]
-        # every span from the ledger as it was at `it` (a new entry would make a save wait for itself)
-        t_end = t + self.span(it, n, t)
-        for at, durable in [(at, t + self.span(it, at - it, t) + self.persist) for at in newest]:
-            self.ledger.add(at, durable)
-        if newest:
-            self.saved(newest[-1])  # after the span: it counts the post-change checkpoint
-        return t_end, saves, newest
 
 
 class RunLoop:
@@ -471,8 +342,8 @@ class RunLoop:
         self._flight = None  # training goes on: the last recovery is over
         if self.backend.jumps:
             t_end, saved, newest = self.ckpt.advance(self.it, self.t, n)
-            for at in newest:
-                self.backend.save(self.plan, at, self.ckpt.mode)
+            for tier, at in newest:
+                self.backend.save(self.plan, at, tier.mode)
             self.out.checkpoints += saved
             self.log({"event": "iterations", "first": self.it, "last": self.it + n - 1, "count": n,
                       "iteration_time_s": T, "checkpoints": saved, "time_s": t_end,
@@ -509,7 +380,7 @@ class RunLoop:
                 self.progress(self.it, self.now())
             if self.ckpt.due(self.it):
                 try:
-                    self._save(self.it)
+                    self._save(self.it, self.ckpt.due(self.it))
                 except FailuresDiscovered as found:  # a process died during the checkpoint (dist)
                     self._discovered(found)
                     return
@@ -522,24 +393,23 @@ class RunLoop:
         else:
             segments.append({"first": first, "last": final, "plan": self.plan.name, "shape": self.plan.shape})
 
-    def _save(self, iteration: int, initial: bool = False) -> None:
-        """A checkpoint after `iteration` iterations (0: the state before training)."""
-        mode = self.ckpt.mode
-        if mode is None:
-            return
-        measured = self.backend.save(self.plan, iteration, mode)
-        if self.modelled:
-            cost = self.ckpt.modelled_cost(self.plan)
-            self.t += self.ckpt.persist_wait(self.t) + cost.stall_s
-            self.ckpt.ledger.add(iteration, self.t + cost.persist_s)
-        else:
-            cost = measured or SaveCost(0.0, 0.0)
-            self.ckpt.measured = cost
-        self.ckpt.saved(iteration)
-        self.out.checkpoints += 1
-        if not self.backend.jumps or initial:
-            self.log({"event": "checkpoint", "iteration": iteration, "mode": mode, "stall_s": cost.stall_s,
-                      "time_s": self.now()})
+    def _save(self, iteration: int, tiers=None, initial: bool = False) -> None:
+        """Checkpoints after `iteration` iterations (0: the state before training) of `tiers`
+        (None: every tier), in the strategy's order."""
+        for tier in self.ckpt.tiers if tiers is None else tiers:
+            measured = self.backend.save(self.plan, iteration, tier.mode)
+            if self.modelled:
+                cost = tier.modelled_cost(self.plan, self.ctx.cost_model)
+                self.t += self.ckpt.persist_wait(tier, self.t) + cost.stall_s
+                tier.ledger.add(iteration, self.t + cost.persist_s)
+            else:
+                cost = measured or SaveCost(0.0, 0.0)
+                tier.measured = cost
+            self.ckpt.saved(tier, iteration)
+            self.out.checkpoints += 1
+            if not self.backend.jumps or initial:
+                self.log({"event": "checkpoint", "iteration": iteration, "mode": tier.mode, "stall_s": cost.stall_s,
+                          "time_s": self.now()})
 
     # -- membership ---------------------------------------------------------------------
     def _strike(self, event: FailureEvent, fraction: float, timeline: SimResult, T: float) -> None:
@@ -587,7 +457,7 @@ class RunLoop:
     def _lose_unpersisted(self) -> None:
         """Checkpoints not yet durable when a node fails are lost."""
         if self.modelled:
-            lost = self.ckpt.ledger.drop_not_durable(self.now())
+            lost = self.ckpt.drop_not_durable(self.now())
             if lost:
                 self.backend.drop_checkpoints(lost)
         else:
@@ -746,7 +616,7 @@ class RunLoop:
                 each.append(self._action_seconds(action, old, new))
                 seconds += each[-1]
                 if isinstance(action, SaveCheckpoint):
-                    self.ckpt.ledger.add(it, self.t + seconds)
+                    self.ckpt.ledger(action.mode).add(it, self.t + seconds)
             self.t += seconds
         else:
             charged_restart = getattr(self.backend, "charged", 0.0)  # (local: a restart it rebuilt in place)

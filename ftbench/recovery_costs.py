@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from itertools import cycle
 
-from ftbench.actions import (FILE, MEMORY, SNAPSHOT, LoadFromHost, Rendezvous, ReplayLogs, RestartJob,
+from ftbench.actions import (FILE, MEMORY, SNAPSHOT, LoadFromHost, LogBoundaries, Rendezvous, ReplayLogs, RestartJob,
                              RestoreCheckpoint, SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement)
 from ftbench.actions import CHECKPOINT_BYTES_PER_PARAM
 from ftbench.plan import Plan, checkpoint_writers
@@ -252,18 +252,27 @@ def replay_seconds(action: ReplayLogs, plan: Plan, cost_model) -> float:
     return load_s + iterations * max(per_iteration, read_s)
 
 
-def logging_stall_s(plan: Plan, cost_model, iteration_s: float) -> float:
-    """Swift's logging per iteration, overlapped with training: each sender copies its logged
-    tensors to host memory (`host_gbps` per GPU) and its node writes them to storage
-    (`storage_gbps` per node) while the next iteration runs; training waits only for what
-    does not fit in an iteration's time (the slowest copy or node write beyond it)."""
-    if not plan.logged:
+def iteration_work_seconds(work, plan: Plan, cost_model, iteration_s: float) -> float:
+    """What one piece of a strategy's per-iteration work (ftbench.actions.ITERATION_WORK) adds
+    to an iteration of `plan` that trains in `iteration_s` seconds."""
+    if isinstance(work, LogBoundaries):
+        return logging_stall_s(plan, cost_model, iteration_s, work.boundaries)
+    raise TypeError(f"no modelled cost for the per-iteration work {work!r}")
+
+
+def logging_stall_s(plan: Plan, cost_model, iteration_s: float, logged: frozenset) -> float:
+    """Swift's logging per iteration, overlapped with training: each sender copies the tensors
+    it sends across the `logged` boundaries to host memory (`host_gbps` per GPU) and its node
+    writes them to storage (`storage_gbps` per node) while the next iteration runs; training
+    waits only for what does not fit in an iteration's time (the slowest copy or node write
+    beyond it)."""
+    if not logged:
         return 0.0
     hw = cost_model.hw
     boundary = cost_model.spec.boundary_bytes(cost_model.b, cost_model.s)
     per_node, most = defaultdict(float), 0.0
     for w, held in plan.holds.items():
-        sends = sum(((d, s) in plan.logged) + ((d, s - 1) in plan.logged) * (s > 0) for d, s in held)
+        sends = sum(((d, s) in logged) + ((d, s - 1) in logged) * (s > 0) for d, s in held)
         if sends:
             nbytes = sends * plan.schedule.microbatches[held[0][0]] * boundary
             per_node[plan.node_of[w]] += nbytes

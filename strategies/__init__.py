@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 from importlib.metadata import entry_points
 
 from ftbench.errors import ConfigError
@@ -24,6 +25,12 @@ def load_entry_points() -> list[str]:
     their names."""
     names = []
     for point in entry_points(group=ENTRY_POINTS):
+        module = sys.modules.get(point.module)
+        if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False):
+            # its module is being imported and imported this package first (a plugin imported on
+            # its own, as a process that unpickles its class does): its @register runs once its
+            # import ends, else a later strategy_class() loads it
+            continue
         try:
             cls = point.load()
         except Exception as err:  # a broken plugin must say which one, not break every run
@@ -36,6 +43,8 @@ def load_entry_points() -> list[str]:
 
 def strategy_class(name: str) -> type[Strategy]:
     """The registered strategy `name` (a ConfigError naming the choices otherwise)."""
+    if str(name) not in REGISTRY:
+        load_entry_points()  # a plugin skipped while it was being imported
     if str(name) not in REGISTRY:
         raise ConfigError("strategy", f"unknown strategy '{name}'", f"choose one of {', '.join(REGISTRY)}")
     return REGISTRY[str(name)]

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-from ftbench.actions import Recovery
+from ftbench.actions import CheckpointTier, Recovery
 from ftbench.cluster import ClusterView
 from ftbench.failures import FailureEvent
 from ftbench.plan import Plan
@@ -51,14 +51,15 @@ class Strategy:
     name: ClassVar[str]  # strategy=<name>
     config: ClassVar[type] = StrategyConfig  # its settings' schema (a StrategyConfig)
     tests: ClassVar[StrategyTests] = StrategyTests()  # how the suite's checks run it
-    # Periodic checkpoints: FILE | SNAPSHOT | MEMORY (ftbench.actions), or None for none. With a
-    # mode, the run loop asks `checkpoint_interval` and saves through the backend.
+    # Periodic checkpoints of one tier: FILE | SNAPSHOT | MEMORY (ftbench.actions), or None for
+    # none. With a mode, the run loop asks `checkpoint_interval` and saves through the backend.
+    # Several tiers: override `checkpoint_tiers` instead.
     checkpoint_mode: str | None = None
-    # With a checkpoint mode: also checkpoint right after the first iteration that completes
-    # after each recovery (Varuna).
+    # The tuned tier (every=None): also checkpoint right after the first iteration that
+    # completes after each recovery (Varuna).
     checkpoint_after_change: bool = False
-    # With a checkpoint mode: the modelled stall of every save, in seconds (a measured figure
-    # from a paper), or None to model it from the checkpoint's bytes.
+    # The tuned tier: the modelled stall of every save, in seconds (a measured figure from a
+    # paper), or None to model it from the checkpoint's bytes.
     save_s: float | None = None
     # With a checkpoint mode: iterations between checkpoints, or None when tuned
     # (checkpoint_interval); dist's fault injection reads it to strike inside a save.
@@ -99,9 +100,23 @@ class Strategy:
         """React to a failure or join that the cluster already reflects (a read-only view)."""
         raise NotImplementedError(f"strategy {self.name} has no on_event()")
 
+    def checkpoint_tiers(self) -> tuple[CheckpointTier, ...]:
+        """The checkpoints the strategy keeps, saved in this order where several are due after
+        the same iteration: at most one tier in memory (MEMORY) and one on storage (FILE or
+        SNAPSHOT), at most one tuned (every=None). Default: one tuned tier of
+        `checkpoint_mode`, or none."""
+        return () if self.checkpoint_mode is None else (CheckpointTier(self.checkpoint_mode),)
+
+    def iteration_work(self, plan: Plan) -> tuple:
+        """What the mechanism does in every iteration of `plan` beyond training, as data
+        (ftbench.actions.ITERATION_WORK: Swift's LogBoundaries): the modelled clock charges it
+        in the plan's iteration time, `local` and `dist` perform it. A function of the plan
+        alone (timings are memoised per plan). Default: nothing."""
+        return ()
+
     def checkpoint_interval(self, iteration_s: float, stall_s: float, persist_s: float) -> int:
-        """With a checkpoint mode: iterations between checkpoints, given the measured (local,
-        dist) or modelled (sim) iteration time, save stall and background persist."""
+        """The tuned checkpoint tier's iterations between checkpoints, given the measured
+        (local, dist) or modelled (sim) iteration time, save stall and background persist."""
         raise NotImplementedError(f"strategy {self.name} has checkpoint_mode {self.checkpoint_mode!r} "
                                   "but no checkpoint_interval()")
 

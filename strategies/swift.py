@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ftbench.actions import FILE, Rendezvous, ReplayLogs, SyncFromPeers, Transfer, UndoSteps
+from ftbench.actions import FILE, LogBoundaries, Rendezvous, ReplayLogs, SyncFromPeers, Transfer, UndoSteps
 from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
@@ -95,6 +95,10 @@ class Swift(CheckpointRestart):
                               f"leaves {workers - gpn} workers", "lower strategy.parallel_recovery (1: serial replay)")
         self.current = grid.with_logging(self._logged(grid, cluster))
         return self.current
+
+    def iteration_work(self, plan: Plan) -> tuple:
+        """Every iteration logs what crosses the plan's logged boundaries."""
+        return (LogBoundaries(plan.logged),) if plan.logged else ()
 
     def _stage_machines(self, plan: Plan) -> list[int]:
         """Stage -> index of its node along pipeline 0 (consecutive stages on one node share one)."""

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # marked `quick` elsewhere (Swift's simulator tests). Their `slow`, `dist`, `full` and `chaos`
 # tests stay out of it.
 QUICK_FILES = {
-    "test_actions.py", "test_checkpoint_sim.py", "test_checkpoint_store.py", "test_config.py",
+    "test_actions.py", "test_checkpoint_sim.py", "test_checkpoint_store.py", "test_checkpoint_tiers.py", "test_config.py",
     "test_costs_measured.py", "test_dist_settings.py", "test_failures.py", "test_gpt_model.py", "test_layering.py",
     "test_layers.py", "test_lint.py", "test_merged_recoveries.py", "test_oobleck_nodes.py", "test_op_times.py",
     "test_recompute.py", "test_recycle_memory.py", "test_report.py", "test_run_folder.py", "test_schedule.py",
@@ -152,3 +152,22 @@ def spawned_ranks(monkeypatch):
     from ftbench.distributed import worker
 
     monkeypatch.setattr(worker, "start_method", lambda: "spawn")
+
+
+def strategy_package(folder: Path) -> tuple[str, str]:
+    """docs/extending.md's example strategy module and entry point as an installed package on
+    `folder` (a dist-info folder is what an install leaves for importlib.metadata): put
+    `folder` on PYTHONPATH and it is `strategy=<name>`. Returns (name, the module's code)."""
+    import re
+
+    page = (ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    name, target = re.search(r'\[project\.entry-points\."ftbench\.strategies"\]\n([\w-]+) = "([\w.:]+)"', page).groups()
+    module = target.split(":")[0]
+    (folder / module).mkdir(parents=True)
+    (folder / module / "__init__.py").write_text(code, encoding="utf-8")
+    info = folder / f"{module}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n", encoding="utf-8")
+    (info / "entry_points.txt").write_text(f"[ftbench.strategies]\n{name} = {target}\n", encoding="utf-8")
+    return name, code

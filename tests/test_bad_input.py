@@ -148,6 +148,13 @@ def test_unknown_key_added_with_plus(tmp_path, override, setting, suggestion):
     assert_config_error(s, setting, f"did you mean {suggestion}", "no such setting")
 
 
+def test_unknown_key_of_a_group_is_a_config_error_with_suggestions(tmp_path, monkeypatch, capsys):
+    """A key no schema has, given without `+` (Hydra refuses it): the suggestions come from
+    every schema, the strategies' included (a crash once, when a strategy's schema moved)."""
+    error = cli_error(tmp_path, monkeypatch, capsys, *SIM, "failures=scripted", "failures.event=[]")
+    assert "failures.event" in error and "did you mean failures.events" in error, error
+
+
 # -- the ReCycle plan cache --------------------------------------------------------------
 
 RECYCLE = (*SIM, "strategy=recycle", "cluster.dp=3", "failures=scripted", "failures.events=[{iteration:2,node:1}]")

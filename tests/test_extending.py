@@ -8,33 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import strategy_package
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _page() -> str:
-    return (ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
-
-
-def _package(folder: Path) -> tuple[str, str]:
-    """The page's module and entry point as an installed package on `folder` (a dist-info
-    folder is what an install leaves for importlib.metadata); (strategy name, module code)."""
-    page = _page()
-    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
-    name, target = re.search(r'\[project\.entry-points\."ftbench\.strategies"\]\n([\w-]+) = "([\w.:]+)"', page).groups()
-    module = target.split(":")[0]
-    (folder / module).mkdir(parents=True)
-    (folder / module / "__init__.py").write_text(code, encoding="utf-8")
-    info = folder / f"{module}-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n", encoding="utf-8")
-    (info / "entry_points.txt").write_text(f"[ftbench.strategies]\n{name} = {target}\n", encoding="utf-8")
-    return name, code
-
-
 @pytest.mark.slow
 def test_a_strategy_from_another_package_runs_through_conformance_and_the_random_scripts(tmp_path):
-    name, code = _package(tmp_path / "site")
+    name, code = strategy_package(tmp_path / "site")
     scripts = re.findall(r'"([^"]+)"', re.search(r"conformance_scripts=\(([^)]*)\)", code).group(1))
     env = {**os.environ, "WANDB_MODE": "disabled",
            "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}

@@ -23,7 +23,8 @@ def run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: st
 
     check_fits_host(ctx, cfg.cluster.dp, cfg.backend.dtype)
     engine = local_engine(cfg, ctx, strategy, run_dir, log)
-    timelines = SimCache(ctx.cost_model)  # failure points (and the modelled clock's times)
+    # failure points (and the modelled clock's times)
+    timelines = SimCache(ctx.cost_model, iteration_work=strategy.iteration_work)
     with Progress(ctx, cfg.report.progress, "training") as progress:
         measured = getattr(ctx.hardware, "provenance", None) is not None  # restart_s measured here, not assumed
         backend = LocalBackend(engine, realtime=clock == "wall", restart_s=ctx.hardware.restart_s if measured else 0.0)

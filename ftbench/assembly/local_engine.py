@@ -6,7 +6,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ftbench.actions import FILE, SNAPSHOT
+from ftbench.checkpoint_schedule import keeps_files
 from ftbench.errors import ConfigError
 from ftbench.folders import inside
 
@@ -25,7 +25,7 @@ def local_engine(cfg, ctx, strategy, run_dir: Path | None, log=None) -> LocalEng
         raise ConfigError("train.data_path" if cfg.train.data == "text" else "train.data", str(err),
                           "point train.data_path at a local text file, or use train.data=synthetic") from None
     store = None
-    if run_dir is not None and strategy.checkpoint_mode in (FILE, SNAPSHOT):
+    if run_dir is not None and keeps_files(strategy):
         on_skip = None
         if log is not None:  # a skipped checkpoint is a metrics line, not only a warning
             def on_skip(reason: str, iteration: int) -> None:
@@ -36,4 +36,6 @@ def local_engine(cfg, ctx, strategy, run_dir: Path | None, log=None) -> LocalEng
     if run_dir is not None and strategy.log_dir:  # Swift's boundary log, in the run folder
         from ftbench.engine.boundary_log import BoundaryLog
         boundary_log = BoundaryLog(inside(run_dir, "strategy.log_dir", strategy.log_dir))
-    return LocalEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, store, cfg.backend.dtype, boundary_log)
+    engine = LocalEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, store, cfg.backend.dtype, boundary_log)
+    engine.iteration_work = strategy.iteration_work  # (Swift's logging)
+    return engine

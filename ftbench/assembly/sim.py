@@ -13,7 +13,7 @@ from ftbench.strategies import build_strategy
 
 
 def run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
-    cache = SimCache(ctx.cost_model, enabled=cfg.backend.memoize)
+    cache = SimCache(ctx.cost_model, enabled=cfg.backend.memoize, iteration_work=strategy.iteration_work)
     with Progress(ctx, cfg.report.progress, "simulating") as progress:
         backend = SimBackend(ctx, strategy.extra_memory, strategy.memory_breakdown)
         outcome = run_loop(ctx, strategy, cluster, script, backend, cache, log, progress)

@@ -373,6 +373,7 @@ class DistBackend:
 
     def restore_checkpoint(self, action: RestoreCheckpoint, recovery: Performing) -> str:
         recovery.restored = self.engine.restore(action.source, recovery.new)
+        self.engine.forget_newer(recovery.restored, writer=self.engine.rank == self.engine.transport.leader)
         if action.source == MEMORY:
             self.engine.commit(recovery.restored)  # what a worker restored is its commit now (as on local)
         return "state_transfer_s"

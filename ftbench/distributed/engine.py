@@ -24,7 +24,8 @@ from ftbench.actions import MEMORY
 from ftbench.distributed.faults import die, dies_among_ops
 from ftbench.distributed.membership import log
 from ftbench.distributed.transport import DistError, DistTransport, plan_crc
-from ftbench.engine.boundary_log import LoggingTransport, ReplayTransport, unusable_replay
+from ftbench.engine.boundary_log import ReplayTransport, unusable_replay
+from ftbench.engine.iteration_work import performing
 from ftbench.engine.log_file import replay_sources
 from ftbench.engine.transport import ACT
 from ftbench.errors import ResultError
@@ -141,9 +142,9 @@ class DistEngine(EngineState):
         if self.worker is not None:
             extra = {} if self.recompute == "none" else {"recompute": self.recompute}
             transport = self.transport if completed is None else _CutTransport(self.transport, plan, completed)
-            if self.boundary_log is not None and plan.logged:
-                # a cut iteration's records are dropped with it (abandon_iteration)
-                transport = LoggingTransport(transport, self.boundary_log, plan.logged, iteration)
+            # the strategy's per-iteration work (Swift's logging: a cut iteration's records are
+            # dropped with it, abandon_iteration)
+            transport = performing(self.iteration_work(plan), transport, self.boundary_log, iteration)
             executor = WorkerExecutor(self.worker, transport, plan, tokens, normaliser, **extra)
             timer = self.op_timer.begin(plan, iteration) if completed is None else None
             self._commit_steps()  # nothing recorded reaches back into an earlier iteration

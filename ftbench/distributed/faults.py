@@ -19,6 +19,7 @@ import os
 import signal
 import time
 
+from ftbench.checkpoint_schedule import checkpoint_tiers
 from ftbench.distributed.membership import log
 from ftbench.distributed.protocol import IN_JOB_ENV, job_nodes
 from ftbench.errors import ConfigError
@@ -168,15 +169,19 @@ def _check_checkpoint_after(cfg, strategy, iteration: int) -> None:
     and K + 1 is a multiple of it (none after the run's last iteration). A tuned interval, or
     a strategy that also saves after each recovery (varuna), may save anywhere."""
     name = cfg.strategy.name
-    if getattr(strategy, "checkpoint_mode", None) is None:
+    tiers = checkpoint_tiers(strategy)
+    if not tiers:
         raise ConfigError("backend.kill", f"strategy {name} writes no checkpoint, so the death in the checkpoint "
                           f"after iteration {iteration} never strikes", "kill among the ops (RANK:ITERATION:OPS), "
                           "or pick a strategy that checkpoints")
-    every = getattr(strategy, "every", None)
-    if every is None or getattr(strategy, "checkpoint_after_change", False):
+    # a tuned tier saves every `strategy.every` iterations where the strategy fixes it
+    everys = sorted({t.every if t.every is not None else getattr(strategy, "every", None) for t in tiers},
+                    key=lambda e: -1 if e is None else e)
+    if None in everys or getattr(strategy, "checkpoint_after_change", False):
         return
-    saves = list(range(every - 1, cfg.train.iterations - 1, every))
+    saves = sorted({k for every in everys for k in range(every - 1, cfg.train.iterations - 1, every)})
     if iteration not in saves:
+        said = " and ".join(str(e) for e in everys)
         raise ConfigError("backend.kill", f"no checkpoint follows iteration {iteration}: strategy {name} saves "
-                          f"every {every} iterations, after iterations {saves or 'none of this run'}",
+                          f"every {said} iterations, after iterations {saves or 'none of this run'}",
                           "pick one of those iterations")

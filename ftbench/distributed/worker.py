@@ -272,7 +272,7 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
            entered: float | None = None) -> dict | None:
     import torch
 
-    from ftbench.actions import FILE, SNAPSHOT
+    from ftbench.checkpoint_schedule import keeps_files
     from ftbench.checkpoint import CheckpointStore
     from ftbench.cluster import Cluster
     from ftbench.distributed.backend import DistBackend
@@ -308,7 +308,7 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     if alarm is not None:
         transport.watch(alarm)  # every wait also ends on the alarm, or a silent heartbeat
     store = None
-    if getattr(strategy, "checkpoint_mode", None) in (FILE, SNAPSHOT):
+    if keeps_files(strategy):
         # The leader writes; after a failure every rank reads its state back from the same folder.
         store = CheckpointStore(run_dir / "checkpoints", keep=cfg.strategy.get("keep", 2))
     boundary_log = None
@@ -322,7 +322,8 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
                         recompute=cfg.train.get("recompute") or "none", undo=recover,
                         kill=parse_kill(cfg.backend.kill) if cfg.backend.get("kill") is not None else None,
                         boundary_log=boundary_log)
-    timelines = SimCache(ctx.cost_model)
+    engine.iteration_work = strategy.iteration_work  # (Swift's logging)
+    timelines = SimCache(ctx.cost_model, iteration_work=strategy.iteration_work)
     membership = None
     if heartbeat is not None:
         from ftbench.distributed.membership import job_store

@@ -84,6 +84,7 @@ class LocalBackend:
 
     def restore_checkpoint(self, action: RestoreCheckpoint, recovery: Performing) -> None:
         recovery.restored = self.engine.restore(action.source, recovery.new)
+        self.engine.forget_newer(recovery.restored, writer=True)
         if action.source == MEMORY:
             # What a worker restored is its commit now: a worker that took another
             # stage in a reshape would otherwise hold none until the next commit.

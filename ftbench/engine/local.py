@@ -18,7 +18,8 @@ import torch
 
 from ftbench.actions import (FILE, MEMORY, SNAPSHOT)
 from ftbench.checkpoint import CheckpointStore
-from ftbench.engine.boundary_log import BoundaryLog, LoggingTransport, ReplayTransport, unusable_replay
+from ftbench.engine.boundary_log import BoundaryLog, ReplayTransport, unusable_replay
+from ftbench.engine.iteration_work import performing
 from ftbench.engine.log_file import LogInvalid, replay_sources
 from ftbench.engine.executor import Executor, IterationResult
 from ftbench.engine.state import EngineState, load_shards, newest_commits
@@ -89,8 +90,9 @@ class LocalEngine(EngineState):
         the plan's logged boundaries go to the boundary log (Swift)."""
         self._commit_steps()  # nothing recorded reaches back into an earlier iteration
         log, transport = self.boundary_log, None
-        if log is not None and self.plan.logged:
-            transport = LoggingTransport(self.executor.transport, log, self.plan.logged, iteration)
+        works = self.iteration_work(self.plan)
+        if works:
+            transport = performing(works, self.executor.transport, log, iteration)
         timer = self.op_timer.begin(self.plan, iteration) if completed is None else None
         result = self.executor.run(self.plan, self.tokens(self.plan, iteration), self.normaliser, completed, transport,
                                    timer)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ftbench.engine.iteration_work import no_work
 from ftbench.engine.op_times import OpTimer
 from ftbench.engine.worker import StageReplica, Worker
 from ftbench.errors import ResultError
@@ -46,6 +47,9 @@ class EngineState:
         self.lr, self.weight_decay, self.dtype, self.device = lr, weight_decay, dtype, device
         # Swift's boundary log (ftbench.engine.boundary_log): where the plan's logged boundaries go
         self.boundary_log = boundary_log
+        # strategy.iteration_work(plan): what every iteration does beyond training, performed
+        # by ftbench.engine.iteration_work (the run's assembly sets the strategy's)
+        self.iteration_work = no_work
         self.workers: dict[int, Worker] = {}  # the workers this process runs
         self.plan = None
         self.undone = 0  # optimizer steps undone over the run (abandoned iterations), every replica of the job
@@ -159,6 +163,17 @@ class EngineState:
             if w in self.plan.holds:
                 for replica in worker.replicas.values():
                     replica.commit = {"iteration": iteration, "shard": replica.shard()}
+
+    def forget_newer(self, iteration: int, writer: bool) -> None:
+        """A restore went back to `iteration`: every checkpoint newer than it, of any tier,
+        belongs to the abandoned timeline (a later restore must not find it): this process's
+        in-memory commits, and with `writer` (the process that writes the files) the files."""
+        for worker in self.workers.values():
+            for replica in worker.replicas.values():
+                if replica.commit is not None and replica.commit["iteration"] > iteration:
+                    replica.commit = None
+        if writer and self.store is not None:
+            self.store.discard_after_persist([i for i in self.store.iterations() if i > iteration])
 
     def keep(self) -> dict:
         """This process's state before a recovery (each live worker's replicas: weights, AdamW

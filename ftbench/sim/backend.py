@@ -8,7 +8,7 @@ from __future__ import annotations
 from itertools import compress, repeat
 from operator import gt, itemgetter
 
-from ftbench.actions import (LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
+from ftbench.actions import (FILE, MEMORY, STORAGE_MODES, LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
                              UndoSteps, WaitForReplacement)
 from ftbench.errors import ResultError
 from ftbench.plan import Plan
@@ -36,13 +36,13 @@ class SimBackend:
         # CheckFreq's snapshot in host memory)
         self.extra_memory = extra_memory
         self.peak_host = 0.0
-        self.saved: list[int] = []  # iterations of the checkpoints that exist (newest few)
+        self.saved: dict[str, list[int]] = {}  # mode -> iterations of its checkpoints that exist (newest few)
         self._peak: dict[int, float] = {}
         self._checked: tuple[SimResult, str | None] | None = None  # the last result checked, and its answer
         self._renamings: _Renamings | None = None  # peaks of the last reference renamed plans time out as
 
     def start(self, plan: Plan) -> None:
-        self.saved = []
+        self.saved = {}
 
     def run_iteration(self, plan: Plan, iteration: int) -> None:
         return None
@@ -60,13 +60,19 @@ class SimBackend:
         for action in actions:
             if isinstance(action, SaveCheckpoint):
                 self.save(old, iteration, action.mode)
+            elif isinstance(action, RestartJob):
+                self.saved.pop(MEMORY, None)  # every process restarts: what was in memory is gone
             elif isinstance(action, RestoreCheckpoint):
-                # The newest checkpoint (0: the initial state, re-created from the seed); later
-                # ones cannot exist, they would belong to the abandoned timeline.
-                restored = max(self.saved, default=0)
-                self.saved = [i for i in self.saved if i <= restored]
+                # The newest checkpoint of the tier restored (0: the initial state, re-created
+                # from the seed); later ones of any tier cannot exist, they would belong to the
+                # abandoned timeline.
+                held = self._of(action.source)
+                if action.source == MEMORY and not held:  # as local and dist find it (newest_commits)
+                    raise ResultError("unrecoverable", "no in-memory commit survived the failure")
+                restored = max(held, default=0)
+                self.saved = {mode: [i for i in kept if i <= restored] for mode, kept in self.saved.items()}
             elif isinstance(action, ReplayLogs):
-                held = max((i for i in self.saved if i <= action.since), default=0)
+                held = max((i for i in self._of(FILE) if i <= action.since), default=0)
                 if held != action.since:  # as the local and dist backends find it
                     raise ResultError("unrecoverable", f"the replay starts from the checkpoint of iteration "
                                       f"{action.since}, but the newest usable checkpoint holds iteration {held}")
@@ -74,11 +80,20 @@ class SimBackend:
                 raise TypeError(f"the sim backend cannot perform {action!r}")
         return restored
 
+    def _of(self, source: str) -> list[int]:
+        """The checkpoints a restore from `source` finds: FILE also finds persisted snapshots."""
+        modes = STORAGE_MODES if source in STORAGE_MODES else (source,)
+        return [i for mode in modes for i in self.saved.get(mode, ())]
+
     def save(self, plan, iteration: int, mode: str) -> None:
-        self.saved = sorted(set(self.saved[-3:]) | {iteration})
+        self.saved[mode] = sorted(set(self.saved.get(mode, [])[-3:]) | {iteration})
 
     def drop_checkpoints(self, iterations) -> None:
-        self.saved = [i for i in self.saved if i not in set(iterations)]
+        # only a storage tier's persist can be unfinished when a failure strikes
+        gone = set(iterations)
+        for mode in STORAGE_MODES:
+            if mode in self.saved:
+                self.saved[mode] = [i for i in self.saved[mode] if i not in gone]
 
     def lose_unfinished_persist(self) -> None:
         pass

@@ -8,7 +8,7 @@ from itertools import repeat
 
 from ftbench.costs import PlanCosts
 from ftbench.plan import Plan
-from ftbench.recovery_costs import logging_stall_s
+from ftbench.recovery_costs import iteration_work_seconds
 from ftbench.schedule import check_coverage, key_bytes
 from ftbench.sim.grid import ComposedResult, GridTimer
 from ftbench.sim.parts_timer import PartsTimer
@@ -24,8 +24,11 @@ KEEP_PLANS = 8  # plans recognised by identity, without computing their key
 class SimCache:
     """Memoises the simulation of each distinct plan."""
 
-    def __init__(self, cost_model, enabled: bool = True):
+    def __init__(self, cost_model, enabled: bool = True, iteration_work=None):
         self.cost_model, self.enabled = cost_model, enabled
+        # strategy.iteration_work(plan) -> the work every iteration does beyond training (Swift's
+        # logging), charged in the plan's iteration time; None: nothing
+        self.iteration_work = iteration_work
         self._results: OrderedDict[tuple, SimResult] = OrderedDict()
         self._kept_workers = 0
         self._seen: set = set()  # every distinct plan simulated (its key's digest)
@@ -58,8 +61,8 @@ class SimCache:
                 (self._pipelines(plan) if self.enabled else None) or \
                 (self._parts(plan) if self.enabled else None) or \
                 simulate(plan.schedule, PlanCosts(self.cost_model, plan), staggered=plan.staggered_optimizer)
-            if plan.logged:  # Swift's log writes, where storage cannot keep up with training
-                result.iteration_time += logging_stall_s(plan, self.cost_model, result.iteration_time)
+            for work in self.iteration_work(plan) if self.iteration_work is not None else ():
+                result.iteration_time += iteration_work_seconds(work, plan, self.cost_model, result.iteration_time)
             self.simulations += 1
             if self.enabled:
                 self._keep(key, result)
