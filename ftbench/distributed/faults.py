@@ -175,9 +175,9 @@ def _check_checkpoint_after(cfg, strategy, iteration: int) -> None:
                           f"after iteration {iteration} never strikes", "kill among the ops (RANK:ITERATION:OPS), "
                           "or pick a strategy that checkpoints")
     # a tuned tier saves every `strategy.every` iterations where the strategy fixes it
-    everys = sorted({t.every if t.every is not None else getattr(strategy, "every", None) for t in tiers},
+    everys = sorted({t.every if t.every is not None else strategy.every for t in tiers},
                     key=lambda e: -1 if e is None else e)
-    if None in everys or getattr(strategy, "checkpoint_after_change", False):
+    if None in everys or strategy.checkpoint_after_change:
         return
     saves = sorted({k for every in everys for k in range(every - 1, cfg.train.iterations - 1, every)})
     if iteration not in saves:

@@ -25,8 +25,8 @@ import uuid
 from pathlib import Path
 
 from ftbench.distributed.faults import check_settings
-from ftbench.distributed.protocol import (IN_JOB_ENV, LATEST, RESTARTS_ENV, RESULT_KEY, RESUME_ENV, WORLD_ENV, job_nodes,
-                                          per_node)
+from ftbench.distributed.protocol import (ERROR_PREFIX, IN_JOB_ENV, LATEST, RESTARTS_ENV, RESULT_KEY, RESUME_ENV,
+                                          WORLD_ENV, job_nodes, per_node)
 from ftbench.errors import ConfigError
 from ftbench.folders import inside
 
@@ -101,7 +101,7 @@ def run_dist(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: str
     """The dist backend's part of ftbench.run._run: the job's results for the summary."""
     check_config(cfg, strategy, clock)
     job = job_of(cfg, run_dir)
-    if getattr(strategy, "log_dir", None):  # Swift: checked here, before any rank starts; removed at the end only if new
+    if strategy.log_dir:  # Swift: checked here, before any rank starts; removed at the end only if new
         job["log_dir_new"] = not inside(run_dir, "strategy.log_dir", strategy.log_dir).exists()
     if os.environ.get(IN_JOB_ENV):  # rank 0 of a torchrun job (python -m ftbench.distributed): train here
         from ftbench.distributed.worker import train
@@ -445,7 +445,7 @@ def _fresh_folder(job: dict) -> Path:
     """The job's dist folder, without the errors of an earlier attempt."""
     folder = Path(job["error_dir"])
     folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob("error-rank*.json"):
+    for stale in folder.glob(f"{ERROR_PREFIX}*.json"):
         stale.unlink()
     return folder
 
@@ -502,7 +502,7 @@ def launch(entrypoint, args: tuple, processes: int, timeout: float, deadline: fl
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob("error-rank*.json"):
+    for stale in folder.glob(f"{ERROR_PREFIX}*.json"):
         stale.unlink()
     run_id = f"ftbench-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
@@ -620,14 +620,14 @@ def _rank_error(root: dict, folder: Path, where: str) -> Exception:
     message = f"rank {rank} failed: {root['error']} ({where})"
     if root.get("user_error") is False and root.get("type") not in STOPPED:
         return RankFailed(f"rank {rank} failed with {root.get('type')}: {root['error']} (a bug, not a setting: its "
-                          f"traceback in {Path(folder) / f'error-rank{rank}.json'}; {where})")
+                          f"traceback in {Path(folder) / f'{ERROR_PREFIX}{rank}.json'}; {where})")
     return DistError(message, root.get("status"))
 
 
 def first_error(folder: Path) -> dict | None:
     """The earliest error a rank reported in `folder`: the root cause (the others follow from it)."""
     records = []
-    for path in Path(folder).glob("error-rank*.json"):
+    for path in Path(folder).glob(f"{ERROR_PREFIX}*.json"):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):

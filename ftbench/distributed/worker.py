@@ -312,7 +312,7 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
         # The leader writes; after a failure every rank reads its state back from the same folder.
         store = CheckpointStore(run_dir / "checkpoints", keep=cfg.strategy.get("keep", 2))
     boundary_log = None
-    if getattr(strategy, "log_dir", None):  # Swift: each rank logs its own sends into the one shared folder
+    if strategy.log_dir:  # Swift: each rank logs its own sends into the one shared folder
         from ftbench.engine.boundary_log import BoundaryLog
         from ftbench.folders import inside
 
