@@ -169,7 +169,7 @@ class EngineState:
         belongs to the abandoned timeline (a later restore must not find it): this process's
         in-memory commits, and with `writer` (the process that writes the files) the files."""
         for worker in self.workers.values():
-            for replica in worker.replicas.values():
+            for replica in worker.replicas.values() if worker.alive else ():
                 if replica.commit is not None and replica.commit["iteration"] > iteration:
                     replica.commit = None
         if writer and self.store is not None:
