@@ -186,6 +186,9 @@ class PlanLibrary:
             return StoredPlan(result.orders, "milp", result.makespan, time.perf_counter() - started, result.status)
         # The list scheduler timed its plan by the simulator's rules: no second simulation.
         shaped, iteration_s = list_schedule_shaped(problem)
+        # The problem's parts (kept on it while planning) hold the problem in turn: let them go,
+        # so that a plan let go is freed at once and not left to the cyclic collector.
+        problem.__dict__.pop("_parts", None)
         return StoredPlan(None, "heuristic", iteration_s, time.perf_counter() - started, shaped=shaped)
 
     def precompute(self, forms, progress=None, budget_s: float | None = None) -> int:
