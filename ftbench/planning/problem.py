@@ -171,8 +171,11 @@ class PlanningProblem:
     @cached_property
     def _extra(self) -> list[Counter]:
         """Per stage, the re-routed micro-batches each peer takes (one Counter per distinct routing)."""
-        counts: dict[int, Counter] = {}
-        return [counts.setdefault(id(flows), Counter(flows.values())) for flows in self.stage_routes]
+        counts: dict[int, Counter] = {}  # (counted once per distinct dict: stages share one at scale)
+        for flows in self.stage_routes:
+            if id(flows) not in counts:
+                counts[id(flows)] = Counter(flows.values())
+        return [counts[id(flows)] for flows in self.stage_routes]
 
     def stash_cap(self, pos: Position) -> int:
         """Most micro-batches a worker may hold forwarded but not yet backpropagated (B or BW).
