@@ -15,7 +15,7 @@ import marshal
 import struct
 from array import array
 from collections import Counter, defaultdict, deque
-from itertools import chain, repeat
+from itertools import chain
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
@@ -486,17 +486,17 @@ def parts_cover(schedule: Schedule, parts) -> bool:
         named_by[id(found)].append(pipes)
         flow_pipes += pipes
         flow_mbs += mbs
-    # each stage of each pipeline stepped once, by one of its replicas (a pipeline of its length)
-    stepped: list[tuple[int, int]] = []
+    # each stage of each pipeline stepped once, by one of its replicas (a pipeline of its length);
+    # per stage the pipelines stepping it, as plain ints (no pair per step: 16,384 at scale)
+    stepped: dict[int, list[int]] = defaultdict(list)
     for found in local_ok.values():
         named = named_by[id(found)]
         for p, st in found[1]:
-            stepped.extend(zip(map(itemgetter(p), named), repeat(st)))
-    distinct = set(stepped)
-    if len(distinct) != len(stepped):
+            stepped[st] += map(itemgetter(p), named)
+    if any(len(set(ds)) != len(ds) for ds in stepped.values()):
         return False
-    at = {(stages[d], st) for d, st in distinct} if len(set(stages)) > 1 else \
-        {(stages[0], st) for st in set(map(_second, distinct))}
+    at = {(stages[d], st) for st, ds in stepped.items() for d in ds} if len(set(stages)) > 1 else \
+        {(stages[0], st) for st in stepped}
     if any((count, st) not in at for count in set(stages) for st in range(count)):
         return False
     # every flow run once: a whole pipeline by one part, or each of its micro-batches by one
