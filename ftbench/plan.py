@@ -184,7 +184,8 @@ class Plan:
             grid = self.grid()
             holds = _pack_grid_holds(grid) if grid is not None else None
             nodes = _pack_grid_nodes(grid, self.node_of) if holds is not None else None
-            self._key = (self.schedule.key(), self.partition, holds or _pack_holds(self.holds),
+            holds = holds or _pack_replica_holds(self.holds, self.schedule.stages) or _pack_holds(self.holds)
+            self._key = (self.schedule.key(), self.partition, holds,
                          nodes or _pack_nodes(self.node_of), self.staggered_optimizer, tuple(sorted(self.logged)))
             if self.host:
                 self._key += (tuple(sorted(self.host)),)
@@ -244,6 +245,21 @@ def _pack_holds(holds: dict) -> bytes | tuple:
                                  array("q", chain.from_iterable(chain.from_iterable(holds.values()))).tobytes()))
     except (TypeError, OverflowError):
         return tuple(holds.items())
+
+
+def _pack_replica_holds(holds: dict, stages: tuple[int, ...]) -> bytes | None:
+    """_pack_holds(holds) where workers 0 .. n - 1, in order, each hold their grid replica (as
+    ReCycle's reference plans at scale do, the canonically failed workers idle): from the
+    shared tables, without a pass over each worker's tuples; None otherwise."""
+    n = len(holds)
+    if not n or not stages or stages.count(stages[0]) != len(stages) or n > stages[0] * len(stages):
+        return None
+    pp = stages[0]
+    replicas, pairs = _grid_tables(pp, -(-n // pp))
+    if list(holds) != list(range(n)) or list(holds.values()) != replicas[:n]:
+        return None
+    return b"h" + b"|".join((array("q", [n]).tobytes(), array("q", range(n)).tobytes(),
+                             (array("q", [1]) * n).tobytes(), pairs[:16 * n]))
 
 
 def _pack_grid_holds(grid: GridLayout) -> bytes | None:
