@@ -1,7 +1,8 @@
 """The shortcuts ReCycle's runs at scale take (issue 37 item 6), each against the slow path it
 replaces: whole-pipeline plans' tables patched from the last failure set's, the peaks of plans
 renamed from a reference folded without a pass over their workers, the coverage check of
-bound parts, their key's flows packed in bulk. No timing asserts: speed is
+bound parts, their key's flows and replica holds packed in bulk, and a stored plan freed
+without the cyclic collector. No timing asserts: speed is
 benchmarks/sim_scale.py's business."""
 from __future__ import annotations
 
@@ -212,3 +213,40 @@ def test_the_key_of_bound_parts_packs_their_flows_as_plain_tuples():
         again = Schedule(GridOps(ops.templates, {w: (tid, listed[id(f)]) for w, (tid, f) in ops.of.items()}),
                          schedule.stages, schedule.microbatches, schedule.name)
         assert again.key()[2] == plain
+
+
+def test_the_key_packs_replica_holds_as_the_general_path_does(monkeypatch):
+    from ftbench import plan as plan_module
+
+    strategy, _, cluster = _strategy()
+    plans = list(_events(2, cluster, strategy, count=6))
+    references = [ref.plan for ref in strategy._references.values()]
+    assert references and all(plan_module._pack_replica_holds(plan.holds, plan.schedule.stages) is not None
+                              for plan in references)  # (the shortcut is taken)
+    for plan in references + plans:
+        plan._key = None
+    keys = [plan.key() for plan in references + plans]
+    monkeypatch.setattr(plan_module, "_pack_replica_holds", lambda holds, stages: None)
+    for plan in references + plans:
+        plan._key = None
+    assert [plan.key() for plan in references + plans] == keys
+
+
+def test_a_stored_plan_is_freed_without_the_cyclic_collector():
+    """A planned problem's parts (which hold the problem) are let go once planned: a plan of
+    16,384 workers left in a reference cycle until the collector ran cost a tenth of a run."""
+    import gc
+    import weakref
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        strategy, _, _ = _strategy()
+        problems = [weakref.ref(shape.parent) for stored in strategy.library._plans.values() if stored.shaped
+                    for shape, _, _ in stored.shaped]
+        assert problems and all(ref() is not None for ref in problems)
+        strategy.library._plans.clear()
+        assert all(ref() is None for ref in problems)
+    finally:
+        if enabled:
+            gc.enable()
