@@ -3,7 +3,9 @@
 
 - `vs-<key>.png`, one per swept key (strategy and seeds aside): throughput, ETTR and recovery
   time per strategy against the key, each point the mean over the seeds with its 95 %
-  interval; a cell that ended `oom` or `unrecoverable` is an X at zero with its status.
+  interval, one row of panels per combination of the other swept keys' values (a paper
+  table's models); a cell where a seed ended `oom`, `unrecoverable` or otherwise not ok is a
+  marker at zero, one shape per status, in its strategy's colour.
 - `strategies.png` when the strategy is the only thing swept: the same three as bars.
 - `over-time.png`: throughput over time of one cell per strategy (`--cell key=value,...`,
   default the first setup and its lowest seed), failures as lines, recoveries shaded.
@@ -25,7 +27,6 @@ from ftbench.run_tables import SEED_KEYS, column_value, load_runs, run_clock, sw
 from ftbench.tables import interval95, throughput_axes, throughput_series
 
 METRICS = (("throughput", "throughput (samples/s)"), ("ettr", "ETTR"), ("recovery_s", "recovery time per run (s)"))
-FAILED = ("oom", "unrecoverable", "error", "diverged", "died", "interrupted")
 
 
 @dataclass
@@ -58,10 +59,10 @@ def _sort_key(value: Any) -> tuple:
     return (0, float(value), "") if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, 0.0, str(value))
 
 
-def series(runs: list[dict], key: str | None) -> dict[str, list[Point]]:
-    """Per line (the strategy, with the other swept keys' values), its points against `key`
-    (None: one point per line), in order of x."""
-    others = [k for k in x_keys(runs) if k != key]
+def series(runs: list[dict], key: str | None, others: list[str] | None = None) -> dict[str, list[Point]]:
+    """Per line (the strategy, with the values of `others`: by default the other swept keys),
+    its points against `key` (None: one point per line), in order of x."""
+    others = [k for k in x_keys(runs) if k != key] if others is None else others
     cells: dict[str, dict[Any, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for run in runs:
         x = column_value(run, key) if key is not None else ""
@@ -95,59 +96,97 @@ def _clock_unit(runs: list[dict]) -> str:
     return "simulated s" if clocks == {"sim"} else "wall s" if clocks == {"wall"} else "s"
 
 
+# A cell's status where it did not end ok: a marker at zero of this shape (the strategy's colour).
+STATUS_MARKERS = {"oom": "X", "unrecoverable": "v", "error": "D", "diverged": "s", "died": "P", "interrupted": "*"}
+FACETS_MAX = 8  # rows of panels at most (the other keys' combinations); beyond, one row per line as before
+
+
+def facets(runs: list[dict], key: str | None) -> list[tuple[str, list[dict]]]:
+    """The runs split by the values of the swept keys other than `key` (each a row of panels),
+    in order; one facet of every run where there is no other key or too many combinations."""
+    others = [k for k in x_keys(runs) if k != key] if key is not None else []
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for run in runs:
+        groups[tuple(str(column_value(run, k)) for k in others)].append(run)
+    if not others or len(groups) > FACETS_MAX:
+        return [("", runs)]
+    ordered = sorted(groups, key=lambda values: [_sort_key(_number(v)) for v in values])
+    return [(", ".join(f"{k}={v}" for k, v in zip(others, values)), groups[values]) for values in ordered]
+
+
+def _number(text: str) -> Any:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def plot_against(runs: list[dict], key: str | None, path: Path) -> Path:
-    """Throughput, ETTR and recovery time per line against `key` (None: bars per line)."""
+    """Throughput, ETTR and recovery time per line against `key` (None: bars per line), a row
+    of panels per facet (the other swept keys' values)."""
     plt = _pyplot()
-    lines = series(runs, key)
-    xs = sorted({p.x for points in lines.values() for p in points}, key=_sort_key)
+    rows = facets(runs, key)
+    faceted = len(rows) > 1
+    row_lines = [series(part, key, others=[] if faceted else None) for _, part in rows]
+    labels_all = sorted({label for lines in row_lines for label in lines})
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour_of = {label: colours[i % len(colours)] for i, label in enumerate(labels_all)}
+    xs = sorted({p.x for lines in row_lines for points in lines.values() for p in points}, key=_sort_key)
     numeric = key is not None and all(_sort_key(x)[0] == 0 for x in xs)
     position = {x: (float(x) if numeric else i) for i, x in enumerate(xs)}
     span = (max(position.values()) - min(position.values())) if len(position) > 1 else 1.0
     gap = (min(b - a for a, b in zip(sorted(position.values()), sorted(position.values())[1:]))
            if len(position) > 1 else 1.0)
-    dodge = 0.3 * min(gap, span) / max(len(lines), 1)  # lines side by side at one x, none hidden
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(5.2 * len(METRICS), 4.2), squeeze=False)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    dodge = 0.3 * min(gap, span) / max(len(labels_all), 1)  # lines side by side at one x, none hidden
+    fig, axes = plt.subplots(len(rows), len(METRICS), figsize=(5.2 * len(METRICS), 0.6 + 3.6 * len(rows)),
+                             squeeze=False)
     unit = _clock_unit(runs)
-    for m, (name, title) in enumerate(METRICS):
-        ax = axes[0][m]
-        for i, (label, points) in enumerate(lines.items()):
-            colour = colours[i % len(colours)]
-            shift = (i - (len(lines) - 1) / 2) * dodge
-            done = [p for p in points if name in p.metrics]
-            xv = [position[p.x] + shift for p in done]
-            yv = [p.metrics[name][0] for p in done]
-            err = [p.metrics[name][1] or 0.0 for p in done]
-            if key is None:
-                ax.bar([i], yv or [0.0], yerr=err or None, color=colour, label=label, capsize=4)
-            else:
-                ax.errorbar(xv, yv, yerr=err, color=colour, marker="o", markersize=4, capsize=3, label=label,
-                            linewidth=1.2)
-            for p in points:
-                if p.failed:
+    statuses: set[str] = set()
+    for r, ((facet, _), lines) in enumerate(zip(rows, row_lines)):
+        for m, (name, title) in enumerate(METRICS):
+            ax = axes[r][m]
+            for label, points in lines.items():
+                i = labels_all.index(label)
+                colour = colour_of[label]
+                shift = (i - (len(labels_all) - 1) / 2) * dodge
+                done = [p for p in points if name in p.metrics]
+                xv = [position[p.x] + shift for p in done]
+                yv = [p.metrics[name][0] for p in done]
+                err = [p.metrics[name][1] or 0.0 for p in done]
+                if key is None:
+                    ax.bar([i], yv or [0.0], yerr=err or None, color=colour, label=label, capsize=4)
+                else:
+                    ax.errorbar(xv, yv, yerr=err, color=colour, marker="o", markersize=4, capsize=3, label=label,
+                                linewidth=1.2)
+                for p in points:
                     at = (i if key is None else position[p.x] + shift)
-                    ax.plot([at], [0.0], marker="X", markersize=9, color=colour, linestyle="none")
-                    ax.annotate("/".join(f"{s}" + (f" x{n}" if n > 1 else "") for s, n in sorted(p.failed.items())),
-                                (at, 0.0), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7,
-                                color=colour)
-        ax.set_title(title.replace("(s)", f"({unit})"), fontsize=10)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        if key is None:
-            ax.set_xticks(range(len(lines)), list(lines), rotation=20, ha="right", fontsize=8)
-        else:
-            ax.set_xlabel(key)
-            if not numeric:
-                ax.set_xticks(list(position.values()), [str(x) for x in xs])
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    if any(p.failed for points in lines.values() for p in points):
-        handles.append(plt.Line2D([], [], marker="X", color="#555555", linestyle="none", markersize=8))
-        labels.append("a cell that did not end ok (its status)")
+                    for status in p.failed:
+                        statuses.add(status)
+                        ax.plot([at], [0.0], marker=STATUS_MARKERS.get(status, "o"), markersize=8, color=colour,
+                                linestyle="none", clip_on=False, zorder=5)
+            ax.set_title(title.replace("(s)", f"({unit})") + (f"\n{facet}" if facet else ""), fontsize=10)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            if key is None:
+                ax.set_xticks(range(len(labels_all)), labels_all, rotation=20, ha="right", fontsize=8)
+            else:
+                ax.set_xlabel(key)
+                if not numeric:
+                    ax.set_xticks(list(position.values()), [str(x) for x in xs])
+    handles = [plt.Line2D([], [], color=colour_of[label], marker="o", markersize=4) for label in labels_all]
+    labels = list(labels_all)
+    for status in sorted(statuses):
+        handles.append(plt.Line2D([], [], marker=STATUS_MARKERS.get(status, "o"), color="#555555", linestyle="none",
+                                  markersize=8))
+        labels.append(f"{status} (a seed of the cell, at zero)")
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
-    seeds = max((p.ok + sum(p.failed.values()) for points in lines.values() for p in points), default=0)
+    seeds = max((p.ok + sum(p.failed.values()) for lines in row_lines for points in lines.values() for p in points),
+                default=0)
     fig.suptitle(("per strategy" if key is None else f"against {key}") +
                  f": mean over up to {seeds} seed(s), bars/whiskers the 95 % interval", fontsize=11)
-    fig.tight_layout(rect=(0, 0.06 + 0.03 * ((len(labels) - 1) // 4), 1, 0.95))
+    legend_rows = 1 + (len(labels) - 1) // 4
+    height = fig.get_size_inches()[1]
+    fig.tight_layout(rect=(0, (0.35 + 0.22 * legend_rows) / height, 1, 1 - 0.45 / height))
     fig.savefig(path, dpi=110, facecolor="white")
     plt.close(fig)
     return path

@@ -114,3 +114,32 @@ def test_a_sweep_draws_its_plots_when_it_ends(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Plots: strategies.png, over-time.png, recovery-breakdown.png." in out.stdout, out.stdout[-1000:]
     assert (sweep / "strategies.png").read_bytes()[:8] == PNG
+
+
+def test_a_sweep_over_several_keys_draws_a_row_per_combination_of_the_others(tmp_path):
+    """Against one key, the other swept keys' values each make a row of panels (a paper table's
+    models), its lines the strategies alone: 2 models x 2 strategies is 2 rows of 2 lines, not
+    4 lines on one axis, and a status is a marker (no text that overlaps)."""
+    from ftbench.run_tables import load_runs
+    from ftbench.sweep_plots import facets, plot_against
+
+    k = 0
+    for model in ("gpt3-medium", "gpt3-6.7b"):
+        for strategy in ("checkpoint", "recycle"):
+            for mtbf in (1, 3):
+                folder = tmp_path / str(k)
+                folder.mkdir()
+                k += 1
+                status = "oom" if (model, strategy) == ("gpt3-6.7b", "recycle") else "ok"
+                summary = {"strategy": strategy, "backend": "sim", "status": status, "seed": 0, "recoveries": [],
+                           "throughput": 10.0 * mtbf if status == "ok" else None, "ettr": 0.9,
+                           "swept": ["model", "strategy", "failures.job_mtbf_hours"],
+                           "overrides": [f"model={model}", f"strategy={strategy}", f"failures.job_mtbf_hours={mtbf}"]}
+                (folder / "summary.json").write_text(json.dumps(summary))
+    runs = load_runs([tmp_path])
+    rows = facets(runs, "failures.job_mtbf_hours")
+    assert [label for label, _ in rows] == ["model=gpt3-6.7b", "model=gpt3-medium"]
+    assert all(sorted(series(part, "failures.job_mtbf_hours", others=[])) == ["checkpoint", "recycle"]
+               for _, part in rows)
+    assert facets(runs, "failures.job_mtbf_hours")[0][1] and len(facets(runs, "model")) == 2
+    assert plot_against(runs, "failures.job_mtbf_hours", tmp_path / "vs.png").read_bytes()[:8] == PNG
