@@ -108,9 +108,6 @@ class Checkpoints:
         self._plan = None
         self._ledgers: dict[str, CheckpointLedger] = {t.mode: t.ledger for t in self.tiers}
 
-    def tier(self, mode: str) -> Tier | None:
-        return next((t for t in self.tiers if t.mode == mode), None)
-
     def ledger(self, mode: str) -> CheckpointLedger:
         """The ledger of the tier of `mode` (a recovery's SaveCheckpoint of a mode no tier keeps
         gets its own)."""
