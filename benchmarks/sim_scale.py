@@ -36,9 +36,9 @@ line per grid with the sets checked and the largest slow-down and speed-up.
                                    [--limit-s 600] [--growth] [--no-check] [extra Hydra overrides...]
 
 Typical duration on 2 shared cores: 11-21 s at 1,024 GPUs (recycle 2-4 s of it, with 8 or 1 GPUs
-per node), then 2-5 min for the normalisation check; 2-5 min at 16k with 8 per node (recycle about
-1 min of it: 54-63 s measured on 2026-11-27 at load average 1.3-1.9); with 1 GPU per node at 16k
-recycle takes about 2 min (123 s at load average 3 to 4, 150-212 s at 5 to 9, on 2026-11-27)
+per node), then 2-5 min for the normalisation check; 2-5 min at 16k with 8 per node (recycle under
+1 min of it: 37-54 s measured on 2026-11-27 at load average 2.2-5.7); with 1 GPU per node at 16k
+recycle takes about 1-1.5 min (56-110 s at load average 2.4 to 6.1, on 2026-11-27)
 (docs/strategies/recycle.md, "Scale"); --growth not re-measured (earlier: about 5 min).
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ SCALES = {"1024": "sim-6.7b-1024gpu", "16k": "sim-6.7b-16k"}
 BENCH_FILE = "sim_scale.json"  # what a child adds to summary.json: its stopwatches
 # measured wall time of the default run (MORE: other options)
 DURATION = "11-21 s on 2 shared cores at 1,024 GPUs, and 2-5 min for ReCycle's normalisation check"
-MORE = ("--scale 16k 2-5 min (recycle about 1 min of it; with --gpus-per-node 1 about 2 min); "
+MORE = ("--scale 16k 2-5 min (recycle under 1 min of it; with --gpus-per-node 1 about 1.5 min); "
         "--growth not re-measured (earlier: about 5 min)")
 
 
