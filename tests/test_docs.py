@@ -263,6 +263,40 @@ def test_every_relative_link_and_anchor_resolves():
     assert not broken, "\n".join(broken)
 
 
+# A file of the repository named in a page (`ftbench/loop.py`), and a dotted name of the package
+# (`ftbench.engine.state.newest_commits`); ftbench.log is a run folder's log, not a module.
+CITED_PATH = re.compile(r"`((?:ftbench|strategies|models|benchmarks|tests|conf|hydra_plugins)/[\w/.\-]*\w)`")
+CITED_NAME = re.compile(r"`(ftbench(?:\.\w+)+)")
+
+
+def _resolves(dotted: str) -> bool:
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attribute in parts[i:]:
+            if not hasattr(obj, attribute):
+                return False
+            obj = getattr(obj, attribute)
+        return True
+    return False
+
+
+def test_every_file_and_name_a_page_cites_exists():
+    """The pages describe the code as it is: a module moved or renamed leaves no page behind."""
+    stale = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        stale += [f"{page.relative_to(ROOT)}: {p}" for p in CITED_PATH.findall(text) if not (ROOT / p).exists()]
+        stale += [f"{page.relative_to(ROOT)}: {n}" for n in CITED_NAME.findall(text)
+                  if n != "ftbench.log" and not _resolves(n)]
+    assert not stale, "\n".join(sorted(set(stale)))
+
+
 def test_pages_point_at_nothing_outside_the_repository():
     outside = [str(p.relative_to(ROOT)) for p in PAGES if "../shared" in p.read_text(encoding="utf-8")]
     assert not outside
