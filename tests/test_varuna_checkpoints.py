@@ -136,8 +136,7 @@ def _random_jumps(seed: str, mode: str, after_change: bool):
     `step` two schedulers of one run, to advance in one go and one iteration at a time."""
     import random
 
-    from ftbench.loop import Checkpoints
-
+    from ftbench.checkpoint_schedule import Checkpoints
     from ftbench.strategies import Strategy
 
     class Rule(Strategy):
@@ -157,20 +156,20 @@ def test_closed_form_counts_the_post_change_checkpoint_as_one_iteration_at_a_tim
     those of checking `due` after every iteration (local's way)."""
     for _, iterations, every, it, n, jump, step in _random_jumps("varuna-closed-form", "file", True):
         for c in (jump, step):
-            c.every, c.T, c.stall = every, 1.0, 0.25
+            c.T, c.tiers[0].every, c.tiers[0].stall = 1.0, every, 0.25
             c.recovered(it)  # a recovery resumed at `it`: the post-change one is due after it + 1
         t_end, saves, newest = jump.advance(it, 0.0, n)
         t, written = 0.0, []
         for k in range(it + 1, it + n + 1):  # iteration k - 1 completes
             t += 1.0
-            if step.due(k):
+            for tier in step.due(k):
                 t += 0.25
                 written.append((k, t))
-                step.saved(k)
+                step.saved(tier, k)
         assert (saves, t_end) == (len(written), pytest.approx(t)), (iterations, every, it, n)
-        assert newest == [k for k, _ in written[-3:]]
-        assert jump.ledger.saved == [(k, pytest.approx(at)) for k, at in written[-3:]]
-        assert jump.after_change == step.after_change
+        assert [k for _, k in newest] == [k for k, _ in written[-3:]]
+        assert jump.tiers[0].ledger.saved == [(k, pytest.approx(at)) for k, at in written[-3:]]
+        assert jump.tiers[0].after_change == step.tiers[0].after_change
 
 
 def test_closed_form_snapshots_wait_for_the_previous_persist_as_one_save_at_a_time_does():
@@ -180,19 +179,20 @@ def test_closed_form_snapshots_wait_for_the_previous_persist_as_one_save_at_a_ti
     for rng, iterations, every, it, n, jump, step in _random_jumps("checkfreq-persist-wait", "snapshot", False):
         persist, before = rng.choice([0.0, 0.5, 3.0, 20.0]), rng.uniform(0, 30)
         for c in (jump, step):
-            c.every, c.T, c.stall, c.persist = every, 1.0, 0.25, persist
-            c.ledger.add(it, before)  # the persist of the checkpoint at `it` ends at `before`
+            tier = c.tiers[0]
+            c.T, tier.every, tier.stall, tier.persist = 1.0, every, 0.25, persist
+            tier.ledger.add(it, before)  # the persist of the checkpoint at `it` ends at `before`
         t_end, saves, newest = jump.advance(it, 0.0, n)
         t, written = 0.0, []
         for k in range(it + 1, it + n + 1):
             t += 1.0
-            if step.due(k):
-                t += step.persist_wait(t) + 0.25
+            for tier in step.due(k):
+                t += step.persist_wait(tier, t) + 0.25
                 written.append((k, t + persist))
-                step.ledger.add(k, t + persist)
+                tier.ledger.add(k, t + persist)
         assert (saves, t_end) == (len(written), pytest.approx(t)), (iterations, every, it, n, persist, before)
-        assert newest == [k for k, _ in written[-3:]]
-        assert jump.ledger.saved[1:] == [(k, pytest.approx(at)) for k, at in written[-3:]]
+        assert [k for _, k in newest] == [k for k, _ in written[-3:]]
+        assert jump.tiers[0].ledger.saved[1:] == [(k, pytest.approx(at)) for k, at in written[-3:]]
         if len(written) > 1 and persist > every:  # persists longer than the interval set the pace
             assert t_end >= (len(written) - 1) * (persist + 0.25)
 
