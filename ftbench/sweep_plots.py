@@ -107,18 +107,11 @@ def facets(runs: list[dict], key: str | None) -> list[tuple[str, list[dict]]]:
     others = [k for k in x_keys(runs) if k != key] if key is not None else []
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for run in runs:
-        groups[tuple(str(column_value(run, k)) for k in others)].append(run)
+        groups[tuple(column_value(run, k) for k in others)].append(run)
     if not others or len(groups) > FACETS_MAX:
         return [("", runs)]
-    ordered = sorted(groups, key=lambda values: [_sort_key(_number(v)) for v in values])
+    ordered = sorted(groups, key=lambda values: [_sort_key(v) for v in values])
     return [(", ".join(f"{k}={v}" for k, v in zip(others, values)), groups[values]) for values in ordered]
-
-
-def _number(text: str) -> Any:
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def plot_against(runs: list[dict], key: str | None, path: Path) -> Path:

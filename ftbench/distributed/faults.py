@@ -175,10 +175,10 @@ def _check_checkpoint_after(cfg, strategy, iteration: int) -> None:
                           f"after iteration {iteration} never strikes", "kill among the ops (RANK:ITERATION:OPS), "
                           "or pick a strategy that checkpoints")
     # a tuned tier saves every `strategy.every` iterations where the strategy fixes it
-    everys = sorted({t.every if t.every is not None else strategy.every for t in tiers},
-                    key=lambda e: -1 if e is None else e)
+    everys = {t.every if t.every is not None else strategy.every for t in tiers}
     if None in everys or strategy.checkpoint_after_change:
         return
+    everys = sorted(everys)
     saves = sorted({k for every in everys for k in range(every - 1, cfg.train.iterations - 1, every)})
     if iteration not in saves:
         said = " and ".join(str(e) for e in everys)
