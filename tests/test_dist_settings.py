@@ -102,3 +102,21 @@ def test_a_rank_that_stops_with_an_error_says_so(dist_store):
     post_abort(dist_store, 3, "DistTimeout: rank 3 waited more than 6 s")
     assert aborted(dist_store, [1, 2, 3]) == {3: "DistTimeout: rank 3 waited more than 6 s"}
     assert aborted(dist_store, [1, 2]) == {}
+
+
+def test_the_agents_shutdown_timeout_is_given_only_where_torch_takes_it():
+    # torch's LaunchConfig and LocalElasticAgent took shutdown_timeout in newer releases only;
+    # torch 2.11 (a GPU machine's) refused it, and every dist launch ended with a TypeError
+    from ftbench.distributed.protocol import SHUTDOWN_S, shutdown_timeout
+
+    class Newer:
+        def __init__(self, spec, shutdown_timeout: int = 30):
+            pass
+
+    class Older:
+        def __init__(self, spec):
+            pass
+
+    assert shutdown_timeout(Newer) == {"shutdown_timeout": SHUTDOWN_S}
+    assert shutdown_timeout(Older) == {}
+    Older(None, **shutdown_timeout(Older))

@@ -410,3 +410,17 @@ def test_the_engines_optimizer_is_supported():
     from ftbench.engine.worker import make_optimizer as engine_optimizer
 
     check_supported(engine_optimizer(make_params(torch.float32), 1e-3, 0.1))
+
+
+def test_loaded_adamw_state_lies_where_adamw_keeps_it():
+    # a checkpoint is read onto the CPU; on a GPU machine the moments must follow the
+    # parameters (the "meta" device stands in for a GPU here) and the step count stay on the CPU
+    from ftbench.engine.worker import _placed
+
+    param = torch.nn.Parameter(torch.empty(3, device="meta"))
+    moment, step = torch.ones(3), torch.tensor(4.0)
+    assert _placed(moment, param).device.type == "meta"
+    assert _placed(step, param).device.type == "cpu" and _placed(step, param) is not step
+    here = _placed(moment, torch.nn.Parameter(torch.zeros(3)))
+    assert torch.equal(here, moment) and here.data_ptr() != moment.data_ptr()  # a copy, as before
+    assert _placed(7, param) == 7

@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     job_path, node, nodes, gpus, endpoint, run_id, incarnation = argv
     node, nodes, gpus = int(node), int(nodes), int(gpus)
     job = pickle.loads(Path(job_path).read_bytes())
-    from ftbench.distributed.protocol import NODE_ENV
+    from ftbench.distributed.protocol import NODE_ENV, shutdown_timeout
 
     os.environ[NODE_ENV] = str(node)  # its processes' ranks follow from it (worker.env_ranks), after restarts too
     from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     logs_dir = folder / "logs" / (f"node{node}" if incarnation == "0" else f"node{node}-restart{incarnation}")
     logs = DefaultLogsSpecs(log_dir=str(logs_dir), redirects=Std.ALL)
     agent = LocalElasticAgent(spec, logs, start_method=start_method, exit_barrier_timeout=EXIT_BARRIER_S,
-                              shutdown_timeout=5)
+                              **shutdown_timeout(LocalElasticAgent))
     agent.run()
     return 0
 

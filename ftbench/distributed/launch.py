@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ftbench.distributed.faults import check_settings
 from ftbench.distributed.protocol import (ERROR_PREFIX, IN_JOB_ENV, LATEST, RESTARTS_ENV, RESULT_KEY, RESUME_ENV,
-                                          WORLD_ENV, job_nodes, per_node)
+                                          WORLD_ENV, job_nodes, per_node, shutdown_timeout)
 from ftbench.errors import ConfigError
 from ftbench.folders import inside
 
@@ -511,7 +511,7 @@ def launch(entrypoint, args: tuple, processes: int, timeout: float, deadline: fl
         rdzv_configs={"join_timeout": int(max(timeout, 1)), "last_call_timeout": 1},
         max_restarts=0, monitor_interval=0.05, start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=str(folder / "logs"), redirects=Std.ALL),
-        shutdown_timeout=5)
+        **shutdown_timeout(LaunchConfig))
     main = threading.current_thread() is threading.main_thread()
     saved = {name: signal.getsignal(getattr(signal, name)) for name in HANDLED_SIGNALS} if main else {}
     pids = folder / "pids"  # each rank's process id, written as it starts (noting_pid)

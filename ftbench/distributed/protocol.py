@@ -12,6 +12,7 @@ Importing this module does not import torch.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -30,6 +31,14 @@ LATEST = "restart/latest"  # the journal of the job's last restart (set by its l
 # -- files and exit codes -------------------------------------------------------------------
 ERROR_PREFIX = "error-rank"  # <error_dir>/error-rank<R>.json: why rank R stopped (ftbench.distributed.worker)
 RESTART_EXIT = 75  # a rank's process ended for a RestartJob: the launcher starts the job's processes again
+SHUTDOWN_S = 5  # how long an elastic agent waits for its processes to end after SIGTERM before SIGKILL
+
+
+def shutdown_timeout(elastic_class) -> dict:
+    """`shutdown_timeout=SHUTDOWN_S` for torch's LaunchConfig or LocalElasticAgent where the
+    installed torch takes it (newer releases; older ones wait their own 30 s): a keyword
+    torch does not know would end every launch with a TypeError."""
+    return {"shutdown_timeout": SHUTDOWN_S} if "shutdown_timeout" in inspect.signature(elastic_class).parameters else {}
 
 
 def exit_now(status: int):

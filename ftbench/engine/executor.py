@@ -329,7 +329,7 @@ class Executor:
         execs = {w: WorkerExecutor(self.workers[w], transport, plan, tokens, normaliser, self.recompute)
                  for w in plan.workers}
         needed = None if completed is None else {s for op in completed if op.kind == OPT for s in deps[op]}
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = None  # summed where the shares are (a GPU's loss is read once, at the end)
         ran = 0
         for node in order:
             if isinstance(node, GradientSync):
@@ -347,11 +347,12 @@ class Executor:
             if timer is not None:
                 timer.record(where[node], node, started, op_clock())
             if share is not None:
-                loss += share
+                share = share.to(torch.float64)
+                loss = share if loss is None else loss + share
             ran += 1
         if completed is not None:
             return IterationResult(float("nan"), ran, False)
-        return IterationResult(float(loss), ran, True)
+        return IterationResult(0.0 if loss is None else float(loss), ran, True)
 
 
 def in_chunk(op: Op, k: int, chunks: int, counts) -> bool:

@@ -123,7 +123,7 @@ class StageReplica:
                 p.copy_(model[name])
                 opt.state.pop(p, None)
                 if name in optim:
-                    opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in optim[name].items()}
+                    opt.state[p] = {k: _placed(v, p) for k, v in optim[name].items()}
 
     def reset_iteration(self) -> None:
         """Drop what an abandoned iteration left behind: stash, deferred W, gradients."""
@@ -190,3 +190,12 @@ class Worker:
         for replica in (self._replicas or {}).values():
             replica.destroy()
         self._replicas = None
+
+
+def _placed(value, param):
+    """A copy of one AdamW state entry where AdamW keeps it for `param`: the moments on the
+    parameter's device (a checkpoint read on a GPU machine arrives on the CPU), the step count
+    on the CPU, as a fresh AdamW (neither fused nor capturable) creates it."""
+    if not torch.is_tensor(value):
+        return value
+    return value.to(param.device if value.dim() else "cpu", copy=True)
