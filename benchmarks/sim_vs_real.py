@@ -54,16 +54,28 @@ QUANTITIES = ("iteration", "checkpoint stall", "detection", "restart", "reload",
 PHASES = {"restart": ("RestartJob", "restart_s"), "reload": ("RestoreCheckpoint", "state_transfer_s")}
 
 
-def rows(quick: bool, tiny: bool = False) -> list[tuple[str, str, int, tuple[str, ...]]]:
+GRIDS = {1: ("cluster.pp=1", "cluster.dp=1"), 2: ("cluster.pp=2", "cluster.dp=1"),
+         4: ("cluster.pp=2", "cluster.dp=2"), 8: ("cluster.pp=4", "cluster.dp=2"),
+         16: ("cluster.pp=4", "cluster.dp=4")}  # dist ranks -> the job's grid (one rank a worker)
+EVERY = ("checkpoint", "checkfreq", "varuna", "swift", "elastic-horovod")  # strategies with strategy.every
+
+
+CASES = {"fault-free": FAULT_FREE, "one failure": (ONE_FAILURE,), "one at 0.97": (LATE_FAILURE,)}
+
+
+def rows(quick: bool, tiny: bool = False, ranks: tuple[int, ...] = (2, 4), strategies: tuple[str, ...] = (),
+         backends: tuple[str, ...] = ("local", "dist"),
+         cases: tuple[str, ...] = tuple(CASES)) -> list[tuple[str, str, int, tuple[str, ...]]]:
     """(label, backend, processes, overrides): quick, a few strategies on local and 2 dist ranks;
-    the full matrix every strategy x {fault-free, one failure, one at 0.97} x {local, dist 2, dist 4};
-    tiny (the test's), one local row."""
-    grid2 = ("cluster.pp=2", "cluster.dp=1")
-    grid4 = ("cluster.pp=2", "cluster.dp=2")
+    the full matrix every strategy (or `strategies`) x {fault-free, one failure, one at 0.97} x
+    {local, dist with each of `ranks`}; tiny (the test's), one local row. A failure row on dist
+    keeps a standby node (one more process), except on a one-rank job, where the failed node's
+    replacement takes its place (cluster.replacement_s=0)."""
     if tiny:
-        return [("checkpoint one failure", "local", 1, (*grid2, "strategy=checkpoint", "strategy.every=2",
+        return [("checkpoint one failure", "local", 1, (*GRIDS[2], "strategy=checkpoint", "strategy.every=2",
                                                          ONE_FAILURE))]
     if quick:
+        grid2, grid4 = GRIDS[2], GRIDS[4]
         return [("none fault-free", "local", 1, (*grid4, "strategy=none", *FAULT_FREE)),
                 ("checkpoint one failure", "local", 1, (*grid4, "strategy=checkpoint", "strategy.every=2", ONE_FAILURE)),
                 ("recycle one failure", "local", 1, (*grid4, "strategy=recycle", ONE_FAILURE)),
@@ -73,34 +85,52 @@ def rows(quick: bool, tiny: bool = False) -> list[tuple[str, str, int, tuple[str
     from ftbench.strategies import REGISTRY
 
     out = []
-    for name in sorted(REGISTRY):
-        extra = ("strategy.every=2",) if name in ("checkpoint", "checkfreq", "varuna", "swift", "elastic-horovod") else ()
-        for label, failure in (("fault-free", FAULT_FREE), ("one failure", (ONE_FAILURE,)),
-                               ("one at 0.97", (LATE_FAILURE,))):
+    for name in strategies or sorted(REGISTRY):
+        extra = ("strategy.every=2",) if name in EVERY else ()
+        for label in cases:
+            failure = CASES[label]
             if name == "none" and failure != FAULT_FREE:
                 continue
-            for backend, processes, grid in (("local", 1, grid4), ("dist", 2, grid2), ("dist", 4, grid4)):
-                spares = ("cluster.spares=1",) if backend == "dist" and failure != FAULT_FREE else ()
-                out.append((f"{name} {label}", backend, processes, (*grid, f"strategy={name}", *extra, *spares, *failure)))
+            runs = [("local", 1, GRIDS[4])] if "local" in backends else []
+            runs += [("dist", n, GRIDS[n]) for n in ranks] if "dist" in backends else []
+            for backend, processes, grid in runs:
+                spares = ("cluster.spares=1",) if backend == "dist" and failure != FAULT_FREE and processes > 1 else ()
+                struck = failure if processes > 1 else tuple(f.replace("node:1", "node:0") for f in failure)  # its only node
+                out.append((f"{name} {label}", backend, processes, (*grid, f"strategy={name}", *extra, *spares, *struck)))
     return out
 
 
-def measure_profile(folder: Path, quick: bool) -> Path:
+def environment(device: str) -> dict:
+    """The runs' environment: on `--device cpu` no GPU is visible (dist would otherwise put
+    every rank on one, as it does on a GPU machine), so the CPU matrix is the CPU's."""
+    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def measure_profile(folder: Path, quick: bool, device: str) -> Path:
     """This machine's profile, measured now, as FOLDER/conf/hardware/<name>.yaml."""
     path = folder / "conf" / "hardware" / "sim-vs-real.yaml"
-    command = [sys.executable, "-m", "ftbench.measure", "--name", "sim-vs-real", "--out", str(path)]
-    subprocess.run(command + (["--quick"] if quick else []), cwd=ROOT, check=True, timeout=900)
+    command = [sys.executable, "-m", "ftbench.measure", "--name", "sim-vs-real", "--out", str(path), "--device", device]
+    subprocess.run(command + (["--quick"] if quick else []), cwd=ROOT, check=True, timeout=900, env=environment(device))
     return path
 
 
-def run(folder: Path, backend: str, overrides: tuple[str, ...], profile: Path) -> tuple[dict, list[dict]]:
-    """One run from the CLI (its own process, as a user runs it); (summary, metrics lines)."""
-    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+def run(folder: Path, backend: str, overrides: tuple[str, ...], profile: Path,
+        device: str = "cpu") -> tuple[dict, list[dict]]:
+    """One run from the CLI (its own process, as a user runs it); (summary, metrics lines). A
+    run that wrote no summary is a row with status `crashed` and its last line of output."""
     search = f"hydra.searchpath=[file://{profile.parent.parent.resolve()}]"
-    subprocess.run([sys.executable, "-m", "ftbench", f"backend={backend}", search, f"hardware={profile.stem}", *SETUP,
-                    *overrides, f"hydra.run.dir={folder}"], cwd=ROOT, env=env, capture_output=True, timeout=900)
-    summary = json.loads((folder / "summary.json").read_text())
-    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    done = subprocess.run([sys.executable, "-m", "ftbench", f"backend={backend}", search, f"hardware={profile.stem}",
+                           *SETUP, *overrides, f"hydra.run.dir={folder}"], cwd=ROOT, env=environment(device),
+                          capture_output=True, text=True, timeout=900)
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+        lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    except (OSError, ValueError):
+        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+        return {"status": "crashed", "error": f"exit {done.returncode}: {last}"}, []
     return summary, lines
 
 
@@ -151,14 +181,31 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="one local row, for a test (with --profile: 20-40 s)")
     parser.add_argument("--profile", type=Path, help="a profile `ftbench calibrate` measured on this machine")
     parser.add_argument("--out", type=Path, default=Path("runs") / "sim-vs-real", help="(default: %(default)s)")
+    parser.add_argument("--ranks", default="2,4", help="the full matrix's dist process counts, of "
+                        f"{','.join(map(str, GRIDS))} (default %(default)s; a 16-core machine runs 16)")
+    parser.add_argument("--strategies", default="", help="the full matrix's strategies, comma-separated (default: all)")
+    parser.add_argument("--backends", default="local,dist", help="the full matrix's real backends (default %(default)s)")
+    parser.add_argument("--cases", default=",".join(CASES), help="the full matrix's failure cases (default %(default)s)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: dist's one rank and the profile on the GPU (one GPU holds one NCCL rank: --ranks 1 "
+                             "--backends dist); cpu hides any GPU from the runs (default %(default)s)")
     args = parser.parse_args(argv)
+    try:
+        matrix = checked_matrix(args)
+    except ValueError as err:
+        print(f"sim_vs_real.py: {err}", file=sys.stderr)
+        return 2
     args.out = args.out.resolve()  # the runs are subprocesses in the checkout: absolute paths
     started = time.perf_counter()
     print(f"sim vs real: {'quick' if args.quick else 'full'} matrix into {args.out}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.profile is None:
         print("measuring this machine (python -m ftbench.measure) ...", flush=True)
-        profile = measure_profile(args.out, args.quick)
+        try:
+            profile = measure_profile(args.out, args.quick, args.device)
+        except subprocess.CalledProcessError as err:
+            print(f"sim_vs_real.py: the calibration failed (exit {err.returncode}; its lines above)", file=sys.stderr)
+            return 1
     else:
         profile = args.profile
         if profile.parent.name != "hardware":
@@ -171,9 +218,9 @@ def main(argv=None) -> int:
     ratios: dict[str, list[float]] = {q: [] for q in QUANTITIES}
     points = []
     print(f"{'row':<28} {'backend':<8} " + " ".join(f"{q:>18}" for q in QUANTITIES), flush=True)
-    for index, (label, backend, processes, overrides) in enumerate(rows(args.quick, args.tiny)):
+    for index, (label, backend, processes, overrides) in enumerate(rows(args.quick, args.tiny, **matrix)):
         folder = args.out / f"{index:02d}"
-        real_summary, real_lines = run(folder / "real", backend, overrides, profile)
+        real_summary, real_lines = run(folder / "real", backend, overrides, profile, args.device)
         # the harness announces the failures it strikes on local and dist: nothing detects them
         # there, so the simulator's run of the same script charges no detection (hardware.detection_s)
         # the same machine's cores: one process on local, the ranks sharing the usable cores on dist
@@ -206,6 +253,37 @@ def main(argv=None) -> int:
         else:
             print(f"{q}: no row measured it")
     return 0
+
+
+def checked_matrix(args) -> dict:
+    """--ranks, --strategies, --backends, --cases and --device, checked: ValueError names the setting and the fix."""
+    from ftbench.strategies import REGISTRY
+
+    try:
+        ranks = tuple(int(x) for x in args.ranks.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--ranks {args.ranks!r}: not numbers; give e.g. --ranks 2,4") from None
+    if not ranks or any(n not in GRIDS for n in ranks):
+        raise ValueError(f"--ranks {args.ranks!r}: each must be one of {sorted(GRIDS)}; give e.g. --ranks 2,4")
+    strategies = tuple(x.strip() for x in args.strategies.split(",") if x.strip())
+    unknown = sorted(set(strategies) - set(REGISTRY))
+    if unknown:
+        raise ValueError(f"--strategies: unknown {', '.join(unknown)}; pick from {', '.join(sorted(REGISTRY))}")
+    backends = tuple(x.strip() for x in args.backends.split(",") if x.strip())
+    if not backends or set(backends) - {"local", "dist"}:
+        raise ValueError(f"--backends {args.backends!r}: give local, dist or local,dist")
+    cases = tuple(x.strip() for x in args.cases.split(",") if x.strip())
+    if not cases or set(cases) - set(CASES):
+        raise ValueError(f"--cases {args.cases!r}: give some of {', '.join(CASES)}")
+    if args.device == "cuda" and (ranks != (1,) or backends != ("dist",) or args.quick or args.tiny):
+        raise ValueError("--device cuda: one GPU holds one NCCL rank and local runs on the CPU; "
+                         "give --ranks 1 --backends dist (the full matrix, not --quick or --tiny)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA GPU here; run it on a GPU machine, or use --device cpu")
+    return {"ranks": ranks, "strategies": strategies, "backends": backends, "cases": cases}
 
 
 def plot(points: list[tuple[str, float, float]], path: Path) -> None:
