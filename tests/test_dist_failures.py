@@ -326,3 +326,21 @@ def test_a_straggler_past_the_deadline_stops_every_rank_with_its_error(tmp_path)
     assert "rank 0: pauses 14 s (backend.stall)" in logs
     assert "rank 0: stops the job: DistAbort" in logs and "stopped the job" in logs
     assert_none_left(f"FTBENCH_TEST_MARKER={marker}")
+
+
+def test_in_process_restart_keeps_the_survivors_processes_after_a_real_kill(tmp_path):
+    """NVRx's in-process restart: node 1 (ranks 2 and 3) is killed in iteration 3; the standby
+    node's processes (reserve workers, already started) take over its workers, the survivors
+    rebuild their groups in the same processes and every worker reloads the newest checkpoint
+    files. No process is ended or started for the recovery, and training still equals
+    fault-free training."""
+    summary, lines = run_dist(tmp_path, "strategy=in-process-restart", "strategy.every=2", "cluster.gpus_per_node=2",
+                              "cluster.spares=1", "failures.events=[{iteration:3,node:1}]")
+    _assert_complete(summary, lines, 1, 3)
+    _assert_measured(summary, [2, 3])
+    (measured,) = summary["measured_recoveries"]
+    assert measured["actions"] == ["WaitForReplacement", "Rendezvous", "RestoreCheckpoint"]
+    assert "processes_ended" not in measured and "restart_s" not in measured
+    assert not (tmp_path / "dist" / "restart").exists()  # no journal: nothing restarted
+    (recovery,) = summary["recoveries"]
+    assert recovery["restored_iteration"] == 2 and recovery["lost_iterations"] == 1
