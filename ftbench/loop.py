@@ -580,8 +580,14 @@ class RunLoop:
         actions = list(recovery.actions)
         if merging is not None:  # nothing trained since the recovery in flight restored its state: no save
             actions = [a for a in actions if not isinstance(a, SaveCheckpoint)]
+        # nodes of the plan down now, before any replacement takes their place: a save that
+        # leads the recovery (just-in-time checkpoints) is made by the live workers alone, and
+        # comes before the replacement
+        saves = any(isinstance(a, SaveCheckpoint) for a in actions)
+        gone = frozenset(self._plan_nodes(self.plan) - cluster.alive) if saves else frozenset()
         if recovery.replace:
-            actions.insert(0, self._replace(recovery.replace))
+            first = next((i for i, a in enumerate(actions) if not isinstance(a, SaveCheckpoint)), len(actions))
+            actions.insert(first, self._replace(recovery.replace))
         cluster.spares += len(recovery.standby)
         if recovery.shape is not None:
             cluster.pp, cluster.dp = recovery.shape
@@ -613,7 +619,7 @@ class RunLoop:
             detection = getattr(self.ctx.hardware, "detection_s", 0.0) if event.kind == "fail" else 0.0
             seconds, each = detection, []
             for action in actions:
-                each.append(self._action_seconds(action, old, new))
+                each.append(self._action_seconds(action, old, new, gone))
                 seconds += each[-1]
                 if isinstance(action, SaveCheckpoint):
                     self.ckpt.ledger(action.mode).add(it, self.t + seconds)
@@ -732,11 +738,16 @@ class RunLoop:
                       "nodes": len(self.cluster.alive)})
             return recovery
 
-    def _action_seconds(self, action, old: Plan, new: Plan) -> float:
+    def _action_seconds(self, action, old: Plan, new: Plan, gone: frozenset = frozenset()) -> float:
         """action_seconds, once per (action, old plan, new plan): a restart onto the same plan
-        after every failure costs the same each time."""
+        after every failure costs the same each time. A save of `old` while nodes of it are
+        `gone` is written by the live workers alone."""
         if isinstance(action, (WaitForReplacement, RestartJob, Rendezvous)):  # constants: nothing to keep
             return action_seconds(action, old, new, self.ctx.cost_model)
+        if gone and isinstance(action, SaveCheckpoint):
+            node_of = old.node_of
+            return action_seconds(action, old, new, self.ctx.cost_model, self.ckpt.save_s,
+                                  alive=lambda w: node_of[w] not in gone)
         if getattr(action, "copies", ()):  # this recovery's own copies (thousands at scale: not hashed)
             return action_seconds(action, old, new, self.ctx.cost_model, self.ckpt.save_s)
         key = (action, id(old), id(new))

@@ -437,12 +437,17 @@ def _same_keys(like: dict, pairs) -> dict:
     return out
 
 
-def checkpoint_writers(plan: Plan) -> dict[int, int]:
+def checkpoint_writers(plan: Plan, alive=None) -> dict[int, int]:
     """stage -> the worker that writes its shard: one replica per stage, taken from a
     different pipeline for each stage so the writes spread over nodes (as distributed
-    checkpointing does) instead of all landing on pipeline 0's nodes."""
+    checkpointing does) instead of all landing on pipeline 0's nodes.
+
+    `alive` (a predicate on workers, or None: all): the writers of a save made after a
+    failure, before anything is rebuilt (just-in-time checkpoints): a stage whose usual
+    writer died is written by the next live replica of it in the same order; a stage with
+    no live replica is left out (the caller decides what that means)."""
     grid = plan.grid()
-    if grid is not None and grid.workers == sorted(grid.workers):
+    if alive is None and grid is not None and grid.workers == sorted(grid.workers):
         # stage s is held by workers[d * pp + s], d = 0, 1, ..., already in worker order
         pp, workers = grid.pp, grid.workers
         dp = len(workers) // pp
@@ -451,7 +456,15 @@ def checkpoint_writers(plan: Plan) -> dict[int, int]:
     for w in sorted(plan.holds):
         for _, stage in plan.holds[w]:
             holders[stage].append(w)
-    return {stage: ws[stage % len(ws)] for stage, ws in sorted(holders.items())}
+    if alive is None:
+        return {stage: ws[stage % len(ws)] for stage, ws in sorted(holders.items())}
+    out = {}
+    for stage, ws in sorted(holders.items()):
+        first = stage % len(ws)
+        live = next((w for w in ws[first:] + ws[:first] if alive(w)), None)
+        if live is not None:
+            out[stage] = live
+    return out
 
 
 def pipelines_plan(generator: str, pipelines: list[tuple[list[int], tuple[LayerRange, ...], int]], node_of,

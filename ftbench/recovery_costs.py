@@ -70,26 +70,26 @@ def most_replica_bytes(plan: Plan, cost_model) -> float:
     return max(per_stage) if per_stage is not None else max(replica_bytes(plan, cost_model).values())
 
 
-def _writer_node_bytes(plan: Plan, cost_model) -> dict[int, float]:
-    """Bytes each node writes when one replica per stage saves."""
+def _writer_node_bytes(plan: Plan, cost_model, alive=None) -> dict[int, float]:
+    """Bytes each node writes when one replica per stage saves (`alive`: only live workers)."""
     out = defaultdict(float)
-    for stage, w in checkpoint_writers(plan).items():
+    for stage, w in checkpoint_writers(plan, alive).items():
         pipeline = next(p for p, s in plan.holds[w] if s == stage)
         out[plan.node_of[w]] += _stage_bytes(plan, pipeline, stage, cost_model)
     return out
 
 
-def _write_s(plan: Plan, cost_model) -> float:
+def _write_s(plan: Plan, cost_model, alive=None) -> float:
     """Writing one checkpoint: the slowest node's stage shards over `storage_gbps`, plus each
     file's fixed cost (`hardware.checkpoint_file_s`; the manifest is one file more). A job on
     one machine (`hardware.cores` set) has one disk: every stage's shard is written to it."""
     hw = cost_model.hw
     storage = hw.storage_gbps * 1e9
     per_file = float(getattr(hw, "checkpoint_file_s", 0.0) or 0.0)
-    by_node = _writer_node_bytes(plan, cost_model)
+    by_node = _writer_node_bytes(plan, cost_model, alive)
     if not per_file and getattr(hw, "cores", None) is None:
         return max(by_node.values()) / storage  # (the paper profiles: as before, to the bit)
-    files = Counter(plan.node_of[w] for w in checkpoint_writers(plan).values())
+    files = Counter(plan.node_of[w] for w in checkpoint_writers(plan, alive).values())
     if getattr(hw, "cores", None) is not None:
         return (sum(files.values()) + 1) * per_file + sum(by_node.values()) / storage
     return max(files[n] * per_file + nbytes / storage for n, nbytes in by_node.items()) + per_file
@@ -118,13 +118,14 @@ def _most_node_bytes(plan: Plan, cost_model) -> float:
     return max(_node_bytes(plan, cost_model).values())
 
 
-def save_cost(mode: str, plan: Plan, cost_model, save_s: float | None = None) -> SaveCost:
+def save_cost(mode: str, plan: Plan, cost_model, save_s: float | None = None, alive=None) -> SaveCost:
     """One checkpoint's cost. `save_s` (strategy.save_s), when given, is the stall as measured
     elsewhere (the Oobleck artifact's Varuna: 11.2 s for GPT-3 Medium) in place of the bytes
-    over the bandwidth; a background persist (snapshot mode) is still modelled."""
+    over the bandwidth; a background persist (snapshot mode) is still modelled. `alive`: a
+    file checkpoint written by live workers only (a save right after a failure)."""
     hw = cost_model.hw
     if mode == FILE:
-        return SaveCost(_write_s(plan, cost_model) if save_s is None else save_s, 0.0)
+        return SaveCost(_write_s(plan, cost_model, alive) if save_s is None else save_s, 0.0)
     if mode == SNAPSHOT:
         copy = most_replica_bytes(plan, cost_model) / (hw.host_gbps * 1e9) if save_s is None else save_s
         return SaveCost(copy, _write_s(plan, cost_model))
@@ -134,9 +135,9 @@ def save_cost(mode: str, plan: Plan, cost_model, save_s: float | None = None) ->
     raise ValueError(f"unknown checkpoint mode {mode!r}")
 
 
-def action_seconds(action, old: Plan, new: Plan, cost_model, save_s: float | None = None) -> float:
+def action_seconds(action, old: Plan, new: Plan, cost_model, save_s: float | None = None, alive=None) -> float:
     """Modelled duration of one recovery action moving from plan `old` to plan `new`;
-    `save_s` as in save_cost (a SaveCheckpoint's stall)."""
+    `save_s` and `alive` as in save_cost (a SaveCheckpoint's stall, its live writers)."""
     hw = cost_model.hw
     if isinstance(action, WaitForReplacement):
         return action.seconds
@@ -145,7 +146,7 @@ def action_seconds(action, old: Plan, new: Plan, cost_model, save_s: float | Non
     if isinstance(action, Rendezvous):
         return hw.rendezvous_s
     if isinstance(action, SaveCheckpoint):
-        cost = save_cost(action.mode, old, cost_model, save_s)
+        cost = save_cost(action.mode, old, cost_model, save_s, alive)
         return cost.stall_s + cost.persist_s  # before a restart the persist must finish
     if isinstance(action, RestoreCheckpoint):
         if action.source == MEMORY:

@@ -344,3 +344,20 @@ def test_in_process_restart_keeps_the_survivors_processes_after_a_real_kill(tmp_
     assert not (tmp_path / "dist" / "restart").exists()  # no journal: nothing restarted
     (recovery,) = summary["recoveries"]
     assert recovery["restored_iteration"] == 2 and recovery["lost_iterations"] == 1
+
+
+def test_jit_checkpoint_saves_from_the_survivors_after_a_real_kill(tmp_path):
+    """Just-in-time checkpoints: node 1 (ranks 2 and 3: stage 0 and 1 of pipeline 1) is killed in
+    iteration 3; ranks 0 and 1 hold both stages as of the iteration's start and save them, then
+    every process restarts and reloads that save: no iteration is redone."""
+    summary, lines = run_dist(tmp_path, "strategy=jit-checkpoint", "cluster.gpus_per_node=2", "cluster.spares=1",
+                              "failures.events=[{iteration:3,node:1}]")
+    _assert_complete(summary, lines, 1, 3)
+    _assert_measured(summary, [2, 3])
+    (measured,) = summary["measured_recoveries"]
+    assert measured["actions"] == ["SaveCheckpoint", "WaitForReplacement", "RestartJob", "RestoreCheckpoint"]
+    assert measured["checkpoint_s"] > 0 and len(measured["processes_ended"]) == 4
+    (recovery,) = summary["recoveries"]
+    assert (recovery["restored_iteration"], recovery["lost_iterations"]) == (3, 0)
+    assert [x["iteration"] for x in lines if x["event"] == "checkpoint"] == [0]  # no periodic save before
+    assert (tmp_path / "checkpoints" / "iter_00000003" / "manifest.json").exists()

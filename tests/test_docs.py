@@ -32,7 +32,7 @@ SKIPPED = [
     (r"^ftbench --multirun \+experiment=(recycle|oobleck)-table",
      "a paper table: 2.5-4 min (docs/reproducing.md); its one-cell form runs here and "
      "tests/test_tables.py runs a reduced sweep"),
-    (r"^python benchmarks/", "a benchmark (seconds to an hour, docs/benchmarks.md); "
+    (r"^(CUDA_VISIBLE_DEVICES=\S* )?python benchmarks/", "a benchmark (seconds to an hour, docs/benchmarks.md); "
                              "tests/test_benchmarks_help.py runs every --help"),
     (r"^python -m ftbench\.sensitivity", "needs the folders of several table sweeps (minutes each); "
                                          "tests/test_sensitivity.py runs it on small ones"),
@@ -48,7 +48,7 @@ SKIPPED = [
                               "builds the package from the page and runs it through conformance and the random scripts"),
     (r"^python -m ftbench\.report .*--publish", "saves a report in W&B: needs a login and the network; "
                                                  "tests/test_wandb_report.py builds the report and checks its panels"),
-    (r"^ftbench calibrate|^python -m ftbench\.measure", "measures this machine for over a minute and writes "
+    (r"^ftbench calibrate|^(CUDA_VISIBLE_DEVICES=\S* )?python -m ftbench\.measure", "measures this machine for over a minute and writes "
                                                         "conf/hardware/; tests/test_measure.py runs it with --quick"),
 ]
 

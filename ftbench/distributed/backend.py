@@ -323,12 +323,18 @@ class DistBackend:
         engine = self.engine
         recovery = Performing(old, new, iteration, phases, pending, lost, wasted)
         # replacements and returning nodes alike; not the nodes that died in this recovery (the
-        # strategy decides about them next)
-        self._place(new, skip=set(_lost_nodes(lost)))
+        # strategy decides about them next). A save that leads the recovery (just-in-time
+        # checkpoints) is the survivors' own, made before a standby takes a failed node's ranks.
+        saves = 0 if first else next((i for i, a in enumerate(actions) if not isinstance(a, SaveCheckpoint)),
+                                     len(actions))
+        if not saves:
+            self._place(new, skip=set(_lost_nodes(lost)))
         dies = dies_in_recovery(self.engine.kill, self.engine.rank, iteration)
         for index, action in enumerate(actions):
             if index < first:
                 continue  # done before the processes restarted
+            if saves and index == saves:
+                self._place(new, skip=set(_lost_nodes(lost)))
             started = time.perf_counter()
             if isinstance(action, AGREED) and lost:
                 continue  # waited for, or agreed, in the interrupted attempt
@@ -341,6 +347,8 @@ class DistBackend:
                 phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
         if dies:
             die("backend.kill=RANK:ITERATION:recovery, at the end (no action moved state)")
+        if saves and saves == len(actions):
+            self._place(new, skip=set(_lost_nodes(lost)))
         engine.adopt(new)
         if actions:  # every live rank completed it, or none goes on (a death meanwhile interrupts it)
             engine.transport.all_sum(torch.zeros(1, dtype=torch.float64, device=engine.device),

@@ -442,9 +442,15 @@ class DistEngine(EngineState):
 
     # -- checkpoints and results ------------------------------------------------------------
     def my_shards(self, plan) -> dict:
+        """This rank's shards of a checkpoint of `plan`; right after a failure (a save before
+        anything is rebuilt) only the workers of live ranks write, as every rank decides alike
+        from the agreed membership."""
         n = model_layers(plan.partition)
+        t = self.transport
+        up = set(t.alive)
+        alive = None if all(t.rank_of(w) in up for w in plan.holds) else (lambda w: t.rank_of(w) in up)
         return {name: on_cpu(self.worker.replica(layers).shard(units, n))
-                for name, w, layers, units in fragment_writers(plan) if w == self.transport.worker}
+                for name, w, layers, units in fragment_writers(plan, alive) if w == t.worker}
 
     def gather_final_state(self) -> dict | None:
         """The leader: the trained model (Hugging Face names), after checking that every replica

@@ -173,8 +173,13 @@ class LocalEngine(EngineState):
     # -- checkpoints --------------------------------------------------------------------
     def _writers(self, plan=None) -> list[Writer]:
         """The checkpoint writers of `fragment_writers`, with the replicas they write from."""
-        return [Writer(name, w, self.workers[w].replica(layers), units)
-                for name, w, layers, units in fragment_writers(plan or self.plan)]
+        plan = plan or self.plan
+        workers = self.workers
+        # right after a failure (a save before anything is rebuilt) only live workers write
+        alive = None if all(w in workers and workers[w].alive for w in plan.holds) else (
+            lambda w: w in workers and workers[w].alive)
+        return [Writer(name, w, workers[w].replica(layers), units)
+                for name, w, layers, units in fragment_writers(plan, alive)]
 
     def _shard(self, writer: Writer, plan=None) -> dict:
         return writer.replica.shard(writer.units, model_layers((plan or self.plan).partition))
@@ -347,18 +352,22 @@ def covers(outer, inner) -> bool:
     return outer[0] <= inner[0] and inner[1] <= outer[1]
 
 
-def fragment_writers(plan) -> list[tuple[str, int, tuple[int, int], tuple[int, int]]]:
+def fragment_writers(plan, alive=None) -> list[tuple[str, int, tuple[int, int], tuple[int, int]]]:
     """(shard name, worker, layers of the replica, units) per layer fragment: one holder writes
     each fragment, so every parameter is written exactly once whatever the partitions. On a
     regular grid the fragments are the stages and the writers are checkpoint_writers' (the
     same choice the sim charges); otherwise fragment i is written by the i-th (mod holders)
-    worker holding it, spreading writes. Every backend that writes checkpoints uses this."""
+    worker holding it, spreading writes. Every backend that writes checkpoints uses this.
+    `alive` (a predicate on workers): only live workers write (a save right after a failure);
+    a fragment no live worker holds ends the save as `unrecoverable`."""
     stages = plan.schedule.stages
     n = model_layers(plan.partition)
     regular = len(set(plan.partition)) == 1
-    by_stage = checkpoint_writers(plan) if regular else {}
+    by_stage = checkpoint_writers(plan, alive) if regular else {}
     held = []  # (worker, layers, units) of every replica in the plan
     for w in sorted(plan.holds):
+        if alive is not None and not alive(w):
+            continue
         for d, s in plan.holds[w]:
             layers = plan.layers(d, s)
             held.append((w, layers, stage_units(layers, s == 0, s == stages[d] - 1, n)))
@@ -366,9 +375,13 @@ def fragment_writers(plan) -> list[tuple[str, int, tuple[int, int], tuple[int, i
     for i, sync in enumerate(fragment_layout(stages, plan.partition).syncs):
         lo, hi = sync.units
         if regular:
+            if sync.stage not in by_stage:
+                raise ResultError("unrecoverable", f"no live replica of stage {sync.stage} is left to save it")
             writers.append((f"stage{sync.stage}", by_stage[sync.stage], plan.layers(0, sync.stage), sync.units))
             continue
         holders = sorted({(w, layers) for w, layers, (a, b) in held if a <= lo and hi <= b})
+        if not holders:
+            raise ResultError("unrecoverable", f"no live replica of layer units {lo}-{hi} is left to save them")
         w, layers = holders[i % len(holders)]
         writers.append((f"units{lo}-{hi}", w, layers, sync.units))
     return writers
