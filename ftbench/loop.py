@@ -35,7 +35,7 @@ from ftbench.events import EventQueue
 from ftbench.failures import ITERATION_EVENT_FRACTION, FailureEvent, FailureScript
 from ftbench.journal import Journal, JournaledBackend
 from ftbench.outcome import RunOutcome
-from ftbench.plan import Plan
+from ftbench.plan import Plan, checkpoint_writers
 from ftbench.recovery_costs import SaveCost, action_seconds
 from ftbench.schedule import OPT
 from ftbench.sim.simulator import SimResult, ops_completed_at
@@ -200,6 +200,7 @@ class RunLoop:
         self._wall0 = self._wall()
         self._nodes: tuple | None = None  # ((plan, its nodes), ...): the last two plans asked about
         self._action_s: dict = {}  # (action, id(old), id(new)) -> (old, new, modelled seconds)
+        self._writers_of: tuple | None = None  # (plan, the nodes of its usual checkpoint writers)
         self._flight: InFlight | None = None  # the recovery a timed change would be merged into
         self._merging: InFlight | None = None  # set while the strategy answers a merged change
         self._waits = 0  # waits for nodes so far (_wait_for_nodes)
@@ -744,8 +745,8 @@ class RunLoop:
         `gone` is written by the live workers alone."""
         if isinstance(action, (WaitForReplacement, RestartJob, Rendezvous)):  # constants: nothing to keep
             return action_seconds(action, old, new, self.ctx.cost_model)
-        if gone and isinstance(action, SaveCheckpoint):
-            node_of = old.node_of
+        if gone and isinstance(action, SaveCheckpoint) and not gone.isdisjoint(self._writer_nodes(old)):
+            node_of = old.node_of  # a usual writer is down: the live writers' save, costed afresh
             return action_seconds(action, old, new, self.ctx.cost_model, self.ckpt.save_s,
                                   alive=lambda w: node_of[w] not in gone)
         if getattr(action, "copies", ()):  # this recovery's own copies (thousands at scale: not hashed)
@@ -758,6 +759,13 @@ class RunLoop:
             hit = self._action_s[key] = (old, new, action_seconds(action, old, new, self.ctx.cost_model,
                                                                   self.ckpt.save_s))
         return hit[2]
+
+    def _writer_nodes(self, plan: Plan) -> frozenset[int]:
+        """The nodes of `plan`'s usual checkpoint writers (one per stage), kept for the last plan."""
+        hit = self._writers_of
+        if hit is None or hit[0] is not plan:
+            hit = self._writers_of = (plan, frozenset(plan.node_of[w] for w in checkpoint_writers(plan).values()))
+        return hit[1]
 
     def _replace(self, nodes: tuple[int, ...]) -> WaitForReplacement:
         """Failed nodes get replacements: a standby at once while any is left, else a new

@@ -47,12 +47,26 @@ class JitCheckpoint(CheckpointRestart):
     def on_failure(self, event: FailureEvent, cluster: Cluster, iteration: int) -> Recovery:
         # The run loop makes the survivors' save before the replacement takes the failed
         # node's place (ftbench/loop.py); every stage must keep a live replica to be saved.
-        alive = cluster.alive
-        node_of = self.worker_nodes(cluster)
-        held = set()
-        for w, replicas in self.current.holds.items():
-            if node_of[w] in alive:
-                held.update(stage for _, stage in replicas)
-        actions = [SaveCheckpoint(FILE)] if held >= set(range(max(self.current.schedule.stages))) else []
+        actions = [SaveCheckpoint(FILE)] if self._every_stage_survives(cluster) else []
         return Recovery(actions=[*actions, RestartJob(), RestoreCheckpoint(FILE)], plan=self.current,
                         replace=(event.node,))
+
+    def _every_stage_survives(self, cluster: Cluster) -> bool:
+        """Whether each stage of the plan keeps a replica on a live node. Only the workers of
+        the plan's nodes that are down now are looked at (a few at a time, at any scale)."""
+        plan = self.current
+        dead = [w for node in self.nodes_in_use() - cluster.alive for w in cluster.workers_on(node) if w in plan.holds]
+        lost: dict[int, int] = {}
+        for w in dead:
+            for _, stage in plan.holds[w]:
+                lost[stage] = lost.get(stage, 0) + 1
+        if not lost:
+            return True
+        grid = plan.grid()
+        if grid is not None:  # every stage has one replica per pipeline
+            return max(lost.values()) < len(grid.workers) // grid.pp
+        replicas: dict[int, int] = {}
+        for held in plan.holds.values():
+            for _, stage in held:
+                replicas[stage] = replicas.get(stage, 0) + 1
+        return all(count < replicas[stage] for stage, count in lost.items())
