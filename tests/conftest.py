@@ -45,11 +45,15 @@ EXTENDED = {
                        "test_redundant_stages_train_the_fault_free_model[failover]",  # in [reconfiguration] too
                        "test_redundant_stages_train_the_fault_free_model[two-failovers]",
                        # seeded failure scripts: test_random_failures' local case of each strategy
-                       "test_seeded_random_failures_train_the_fault_free_model"),
+                       "test_seeded_random_failures_train_the_fault_free_model",
+                       # eager copies: on sim (test_a_lazy_failover_charges_the_load_in_the_run), in memory
+                       "test_eager_redundant_forwards_train_the_fault_free_model"),
     # as Bamboo's: merge, borrow and join on local ([borrow] and [join] each merge first)
     "test_oobleck.py": ("test_dist_processes_reinstantiate_after_real_kills",
                         "test_heterogeneous_pipelines_train_the_fault_free_model[merge]",
-                        "test_seeded_random_failures_train_the_fault_free_model"),  # as Bamboo's
+                        "test_seeded_random_failures_train_the_fault_free_model",  # as Bamboo's
+                        # a node's GPUs as lanes of one stage: on sim, test_oobleck_scale's [lanes-overlap]
+                        "test_one_stage_per_node_shared_by_its_gpus_trains_the_fault_free_model"),
     # Kept on dist: the checkpoint restart onto a standby (a scripted kill, its heartbeat silence
     # detected, the processes relaunched), ReCycle's unannounced death (a failed wait, rolled back,
     # told to every survivor in seconds), test_dist_swift's replay, test_dist's 1F1B run and
@@ -91,7 +95,9 @@ EXTENDED = {
         "test_without_the_undo_training_differs_from_fault_free[oobleck]",  # [recycle] stays
         "test_without_the_undo_training_differs_from_fault_free[bamboo]"),
     "test_swift.py": (
-        "test_the_benchmark_compares_swift_with_the_baselines",  # benchmarks/swift.py: its --grid case
+        # benchmarks/swift.py's runs, as the other benchmarks' below (its --help: test_benchmarks_help)
+        "test_the_benchmark_compares_swift_with_the_baselines",
+        "test_the_benchmarks_ratio_moves_with_the_run_length_and_the_restart_cost",
         # the replay's shapes: [two stages a node] stays (placement=stage: test_placement)
         "test_replays_of_every_shape_are_exact[every replica lost]",
         "test_replays_of_every_shape_are_exact[merged groups]",
