@@ -32,8 +32,8 @@ class StrategyTests:
     """How the suite's own checks run a strategy on their small gpt-tiny setups.
 
     `conformance`: settings for the sim/local/dist conformance matrix (pp 2 x dp 3, 8
-    iterations, one GPU per node); `conformance_scripts`: its scripts in the default test tier
-    (the rest run in `-m full`); `random`: draws the strategy's settings for a seeded random
+    iterations, one GPU per node); `conformance_scripts`: its scripts in CI ("one failure" in
+    the default test tier, the others in `-m extended`; the rest run in `-m full`); `random`: draws the strategy's settings for a seeded random
     failure script, `random(rng, setup)` with `setup` the case's facts (pp, dp, gpus, nodes,
     microbatches) -> overrides; None: not in the random scripts (say why in `left_out`);
     `dist`: settings for the dist chaos trials (benchmarks/dist_chaos.py)."""

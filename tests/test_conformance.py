@@ -11,7 +11,7 @@ from conftest import run
 from ftbench.metrics import read_metrics
 from ftbench.strategies import REGISTRY
 
-# Every registered strategy, with the settings and default-tier scripts its registration gives
+# Every registered strategy, with the settings and CI's scripts its registration gives
 # (StrategyTests: conformance, conformance_scripts).
 STRATEGIES = list(REGISTRY)
 
@@ -81,11 +81,11 @@ def _own_first_recovery(tmp_path, overrides) -> tuple[float, float]:
     return r["time_s"], r["recovery_s"]
 
 
-# The default tier runs every strategy under "one failure" and under two or three more
-# scripts, and every script with at least two strategies (those whose recovery it exercises
-# most: undo after the optimizer steps for the in-place ones, grow-back for the reshaping ones,
-# a merged recovery for a restart, a re-instantiation and a failover), as each registration
-# names them; `-m full` runs the other cases.
+# CI runs every strategy under "one failure" (the default tier) and under two or three more
+# scripts (the extended tier: tests/conftest.py), and every script with at least two strategies
+# (those whose recovery it exercises most: undo after the optimizer steps for the in-place ones,
+# grow-back for the reshaping ones, a merged recovery for a restart, a re-instantiation and a
+# failover), as each registration names them; `-m full` runs the other cases.
 DEFAULT_TIER = {name: cls.tests.conformance_scripts for name, cls in REGISTRY.items()}
 CASES = [pytest.param(strategy, script, id=f"{strategy}-{script}",
                       marks=() if script in DEFAULT_TIER[strategy] else pytest.mark.full)
@@ -114,8 +114,8 @@ def test_sim_and_local_agree(tmp_path, scripts, strategy, script):
 
 
 def test_every_registration_names_scripts_that_exist():
-    """A default-tier script a registration names must be one of the scripts (a typo would
-    leave the strategy out of the default tier without a word)."""
+    """A script a registration names for CI must be one of the scripts (a typo would leave
+    the strategy out of CI without a word)."""
     names = set(_scripts(1.0, (1.0, 1.0)))
     for strategy, scripts in DEFAULT_TIER.items():
         assert scripts and set(scripts) <= names, (strategy, sorted(set(scripts) - names))

@@ -111,7 +111,7 @@ def test_checkpoint_restart_onto_a_standby_after_a_real_kill(tmp_path):
 
 # `full`: the default tier kills ReCycle's leader node on dist unannounced
 # (test_an_unannounced_death_is_rolled_back_and_recovered[recycle], rank 0: the metrics go on
-# from rank 1, the survivors re-route) and re-routes after a death during a recovery.
+# from rank 1, the survivors re-route), the extended tier re-routes after a death during a recovery.
 @pytest.mark.full
 def test_recycle_reroutes_in_place_when_the_leader_node_dies(tmp_path):
     """Node 0 holds rank 0, which wrote the metrics: rank 1 carries on writing them; ReCycle's
@@ -124,8 +124,8 @@ def test_recycle_reroutes_in_place_when_the_leader_node_dies(tmp_path):
     assert recovery["lost_iterations"] == 0 and "RestoreCheckpoint" not in recovery["actions"]
 
 
-# `full`: Elastic Horovod's scripted kill on dist in the default tier is
-# tests/test_dist_torchrun.py's (node 0 dies), its unannounced deaths are below; Varuna's
+# `full`: Elastic Horovod's scripted kill on dist in CI is tests/test_dist_torchrun.py's (node 0
+# dies), its unannounced death is below (both in the extended tier); Varuna's
 # restart onto a new shape from checkpoint files is test_dist_agrees_with_sim's default case.
 @pytest.mark.full
 @pytest.mark.parametrize("strategy", ["elastic-horovod", "varuna"])
@@ -220,8 +220,8 @@ def test_a_death_during_a_checkpoint_is_recovered(tmp_path):
 @pytest.mark.parametrize("strategy,events,kill,extra", [
     # node 1 fails in iteration 3; the standby taking its place (rank 4) dies as the restart
     # begins: the restore completes without it, then node 1 is replaced again (rank 5).
-    # `full`: the default tier's standby dying in a recovery is Swift's replay
-    # (tests/test_dist_robustness.py), which completes without it and takes the next standby too.
+    # `full`: CI's standby dying in a recovery is Swift's replay (tests/test_dist_robustness.py,
+    # the extended tier), which completes without it and takes the next standby too.
     pytest.param("checkpoint", "[{iteration:3,node:1}]", "4:3:recovery", ("strategy.every=2", "cluster.spares=2"),
                  marks=pytest.mark.full),
     # node 1 comes back in iteration 3 and copies stage 1 from worker 3, which dies before
@@ -270,8 +270,8 @@ def test_an_unannounced_death_stops_the_run_when_asked(tmp_path):
     assert_none_left(f"FTBENCH_TEST_MARKER={marker}")
 
 
-# `full`: checkpoint's unannounced death in the default tier is the one during a checkpoint
-# (test_a_death_during_a_checkpoint_is_recovered); the default tier's unannounced deaths are
+# `full`: checkpoint's unannounced death in CI is the one during a checkpoint
+# (test_a_death_during_a_checkpoint_is_recovered, the extended tier); CI's unannounced deaths are
 # those and test_an_unannounced_death_is_rolled_back_and_recovered's, Varuna's restart on dist
 # test_dist_agrees_with_sim's.
 @pytest.mark.full
@@ -289,8 +289,8 @@ def test_a_seeded_random_unannounced_death(tmp_path, strategy):
     _assert_measured(summary, [rank])
 
 
-# `full`: the default tier waits for a slow peer in tests/test_dist_propagation.py (alive and
-# beating, waited for past a silent heartbeat's notice) and stops a straggler in a recovery
+# `full`: CI (the extended tier) waits for a slow peer in tests/test_dist_propagation.py (alive
+# and beating, waited for past a silent heartbeat's notice) and stops a straggler in a recovery
 # past the deadline below.
 @pytest.mark.full
 def test_a_straggler_in_a_recovery_is_waited_for(tmp_path):

@@ -170,7 +170,7 @@ def test_a_dist_bug_exits_1_with_what_was_done(tmp_path):
 
 
 @pytest.mark.dist
-@pytest.mark.full  # the default tier asserts the same counts in test_dist_failures' straggler past the deadline
+@pytest.mark.full  # CI (extended tier) asserts the same counts in test_dist_failures' straggler past the deadline
 def test_a_job_stopped_after_a_failure_counts_it(tmp_path):
     """Rank 0 pauses 10 s in the recovery from node 1's failure, past backend.timeout_s=5: the
     job stops with the others' timeout (no results), and the summary counts the failure and

@@ -348,8 +348,11 @@ def test_help_and_version(flag):
 
 
 def test_ci_runs_the_readmes_test_command():
-    """.ci/run is the quick start's second command, step by step: what a newcomer runs is what CI runs."""
+    """.ci/run is the quick start's second command, step by step, then the README's second CI
+    step (the extended tier): what a newcomer runs is what CI runs, and the README says all CI runs."""
     readme = next(c for _, c in shell_commands() if "pytest" in c and c.startswith("pip install"))
+    extended = [c for page, c in shell_commands() if page == "README.md" and "-m extended" in c]
+    assert extended == ["python -m pytest -q -m extended"], extended
     script = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     steps = [line for line in script if line.strip() and not line.startswith(("#", "set ", "cd "))]
-    assert " && ".join(steps) == readme
+    assert " && ".join(steps) == f"{readme} && {extended[0]}"

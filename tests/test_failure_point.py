@@ -260,7 +260,7 @@ def test_a_seeded_point_after_steps_trains_the_fault_free_model(tmp_path):
 # -- (d) dist ---------------------------------------------------------------------------------------
 
 @pytest.mark.dist
-@pytest.mark.full  # the default tier undoes steps on dist in test_dist_swift (a failure at 0.97 of an iteration)
+@pytest.mark.full  # CI undoes steps on dist in test_dist_swift (a failure at 0.97 of an iteration; extended tier)
 def test_dist_failure_after_steps_trains_the_fault_free_model(tmp_path):
     """backend=dist: node 1's process is SIGKILLed at 0.97 of iteration 3, after optimizer
     steps; the survivors undo theirs (StepUndo, no copy of their state) and ReCycle redoes the

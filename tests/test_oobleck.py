@@ -177,9 +177,9 @@ def test_seeded_random_failures_train_the_fault_free_model(tmp_path, seed):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("events,rules,dead", [
-    # `full` (with tests/test_dist_failures.py's merge-then-borrow against sim): the default
-    # tier runs the merge with this test's fault-free check in the join case below, and the
-    # borrow on local above
+    # `full` (with tests/test_dist_failures.py's merge-then-borrow against sim): CI runs the
+    # merge with this test's fault-free check in the join case below (the extended tier), and
+    # the borrow on local above
     pytest.param("[{iteration:2,node:1},{iteration:4,node:4}]", ["merge", "borrow"], [[1], [4]],
                  marks=pytest.mark.full),
     # node 1 returns: its processes are a standby node's (ranks 6 or 7), started for the join
