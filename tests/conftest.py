@@ -66,7 +66,10 @@ EXTENDED = {
                               "[elastic-horovod-3:2:7-1-dead0-extra0]",
                               "test_a_death_during_a_checkpoint_is_recovered",
                               "test_an_unannounced_death_stops_the_run_when_asked",
-                              "test_a_straggler_past_the_deadline_stops_every_rank_with_its_error"),
+                              "test_a_straggler_past_the_deadline_stops_every_rank_with_its_error",
+                              # the in-place restart's parts on dist: the rendezvous (ReCycle's unannounced
+                              # death) and a reload from files (the checkpoint restart onto a standby)
+                              "test_in_process_restart_keeps_the_survivors_processes_after_a_real_kill"),
     "test_dist_robustness.py": ("test_a_replay_whose_standby_dies_uses_the_next_live_standby",
                                 "test_a_dist_bug_exits_1_with_what_was_done"),  # a rank's bug: launched here
     # a slow peer (as the straggler); a departure told at once (ReCycle's unannounced death: seconds)
