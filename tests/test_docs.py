@@ -334,6 +334,10 @@ def test_every_registered_strategy_has_its_page_its_yaml_and_its_table_rows():
     index_rows = set(re.findall(r"^\| \[`([\w-]+)`\]\([\w-]+\.md\) \|", index, re.M))
     assert readme_rows == set(REGISTRY), "README.md's strategy table"
     assert index_rows == set(REGISTRY) - {"none"}, "docs/strategies/README.md's table"
+    running = (ROOT / "docs" / "running.md").read_text(encoding="utf-8")
+    setting = next(line for line in running.splitlines() if line.startswith("| `strategy` |"))
+    assert set(re.findall(r"`([\w-]+)`", setting.split("(the registry")[0])) - {"strategy"} == set(REGISTRY), \
+        "docs/running.md's strategy setting"
     for name in REGISTRY:
         yaml = (ROOT / "conf" / "strategy" / f"{name}.yaml").read_text(encoding="utf-8")
         assert f"/schema/strategy/{name}@_here_" in yaml and f"name: {name}" in yaml, name
