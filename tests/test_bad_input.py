@@ -329,13 +329,22 @@ def test_two_config_errors_in_the_same_second_keep_both_folders(tmp_path, monkey
     assert "12-00-00-config-error-2" in capsys.readouterr().err
 
 
+def _having(field: str) -> list[str]:
+    """The registered strategies whose settings include `field`, by name (the error lists them)."""
+    from dataclasses import fields
+
+    from ftbench.strategies import REGISTRY
+
+    return sorted(name for name, cls in REGISTRY.items() if field in {f.name for f in fields(cls.config)})
+
+
 @pytest.mark.parametrize("override,words", [
     ("strategy=checkpoint,varuna", ["add --multirun", "`ftbench --multirun strategy=checkpoint,varuna`"]),
     ("cluster.pp=two", ["cluster.pp takes an integer", "not 'two'"]),
     ("train.lr=fast", ["train.lr takes a number", "not 'fast'"]),
     ("report.gantt=maybe", ["report.gantt takes true or false"]),
     ("strategy.level=reroute", ["strategy.level is a setting of strategy=recycle only"]),
-    ("strategy.every=3", ["the strategies checkfreq, checkpoint, elastic-horovod, recycle, swift, varuna only"]),
+    ("strategy.every=3", [f"the strategies {', '.join(_having('every'))} only"]),
 ])
 def test_hydras_rejections_name_the_fix(tmp_path, monkeypatch, capsys, override, words):
     """A comma list without --multirun keeps Hydra's hint; a value of the wrong type says the type."""
