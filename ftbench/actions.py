@@ -143,6 +143,12 @@ class LoadFromHost:
     nbytes: float = 0.0
 
 
+def leading_saves(actions) -> int:
+    """How many SaveCheckpoint actions lead `actions`: such saves (just-in-time checkpoints)
+    are the survivors' own, made before any replacement takes a failed node's place."""
+    return next((i for i, a in enumerate(actions) if not isinstance(a, SaveCheckpoint)), len(actions))
+
+
 # The one dispatch of recovery actions, shared by every backend that performs them for real
 # (ftbench.engine.backend, ftbench.distributed.backend): action type -> the name of the
 # backend's method that performs it, called as method(action, recovery in progress).

@@ -27,7 +27,7 @@ from operator import countOf, eq
 from typing import Protocol
 
 from ftbench.actions import (FILE, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint,
-                             WaitForReplacement)
+                             WaitForReplacement, leading_saves)
 from ftbench.checkpoint_schedule import Checkpoints
 from ftbench.cluster import Cluster
 from ftbench.errors import ReplayUnavailable, TooFewNodes, UserError
@@ -587,8 +587,7 @@ class RunLoop:
         saves = any(isinstance(a, SaveCheckpoint) for a in actions)
         gone = frozenset(self._plan_nodes(self.plan) - cluster.alive) if saves else frozenset()
         if recovery.replace:
-            first = next((i for i, a in enumerate(actions) if not isinstance(a, SaveCheckpoint)), len(actions))
-            actions.insert(first, self._replace(recovery.replace))
+            actions.insert(leading_saves(actions), self._replace(recovery.replace))
         cluster.spares += len(recovery.standby)
         if recovery.shape is not None:
             cluster.pp, cluster.dp = recovery.shape

@@ -14,23 +14,17 @@ restart of every process (job launch, interpreter, imports, CUDA and process-gro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
 from ftbench.actions import FILE, Rendezvous, RestoreCheckpoint
 from ftbench.cluster import Cluster
 from ftbench.failures import FailureEvent
-from ftbench.strategies.base import Recovery, StrategyConfig, StrategyTests, register
-from ftbench.strategies.checkpoint import CheckpointRestart, every_drawn
+from ftbench.strategies.base import Recovery, StrategyTests, register
+from ftbench.strategies.checkpoint import CheckpointConfig, CheckpointRestart, every_drawn
 
 
 @dataclass
-class InProcessRestartConfig(StrategyConfig):
-    """In-process restart: checkpoint restart's files, survivors restarted inside their processes."""
+class InProcessRestartConfig(CheckpointConfig):
+    """In-process restart: checkpoint restart's settings, survivors restarted inside their processes."""
     name: str = "in-process-restart"
-    every: Optional[int] = None  # iterations between checkpoints (null: tuned; Young/Daly from the failure model)
-    mtbf_hours: Optional[float] = None  # one node's MTBF for Young/Daly (null: failures.mtbf_hours, or failures.job_mtbf_hours x nodes)
-    keep: int = 2  # checkpoints kept on storage (local and dist backends)
-    save_s: Optional[float] = None  # fixed checkpoint save stall in seconds (null: bytes over hardware.storage_gbps)
 
 
 @register

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ftbench.actions import (FILE, MEMORY, SNAPSHOT, LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint,
-                             SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement, performer)
+                             SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement, leading_saves,
+                             performer)
 from ftbench.distributed.engine import DistEngine
 from ftbench.distributed.faults import die, dies_in_recovery, dies_in_save, stall_here
 from ftbench.distributed.membership import log
@@ -323,18 +324,16 @@ class DistBackend:
         engine = self.engine
         recovery = Performing(old, new, iteration, phases, pending, lost, wasted)
         # replacements and returning nodes alike; not the nodes that died in this recovery (the
-        # strategy decides about them next). A save that leads the recovery (just-in-time
-        # checkpoints) is the survivors' own, made before a standby takes a failed node's ranks.
-        saves = 0 if first else next((i for i, a in enumerate(actions) if not isinstance(a, SaveCheckpoint)),
-                                     len(actions))
-        if not saves:
-            self._place(new, skip=set(_lost_nodes(lost)))
+        # strategy decides about them next), after the saves that lead the recovery (the
+        # survivors' own, before a standby takes a failed node's ranks); at once in processes
+        # started again after a restart
+        place_at = 0 if first else leading_saves(actions)
         dies = dies_in_recovery(self.engine.kill, self.engine.rank, iteration)
         for index, action in enumerate(actions):
+            if index == place_at:
+                self._place(new, skip=set(_lost_nodes(lost)))
             if index < first:
                 continue  # done before the processes restarted
-            if saves and index == saves:
-                self._place(new, skip=set(_lost_nodes(lost)))
             started = time.perf_counter()
             if isinstance(action, AGREED) and lost:
                 continue  # waited for, or agreed, in the interrupted attempt
@@ -347,7 +346,7 @@ class DistBackend:
                 phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
         if dies:
             die("backend.kill=RANK:ITERATION:recovery, at the end (no action moved state)")
-        if saves and saves == len(actions):
+        if place_at == len(actions):  # no action, or saves alone
             self._place(new, skip=set(_lost_nodes(lost)))
         engine.adopt(new)
         if actions:  # every live rank completed it, or none goes on (a death meanwhile interrupts it)
