@@ -17,10 +17,17 @@ from ftbench.plan import LayerRange, Plan
 FILE = "file"  # real files on storage, loaded after a restart (checkpoint restart, Varuna)
 SNAPSHOT = "snapshot"  # two-phase: copy to host memory (stall), persist to files in the background (CheckFreq)
 MEMORY = "memory"  # in-memory commit on each worker; gone with the worker (Elastic Horovod)
-CHECKPOINT_MODES = (FILE, SNAPSHOT, MEMORY)
+# In host memory kept outside the training processes (Gemini's agents), each node's also held
+# by the other nodes of its group (CheckpointTier.group): a process restart keeps it, a node's
+# failure loses what that node held. `local` and `dist` keep it as files in the run folder,
+# one folder per node (ftbench.engine.host_memory), since no memory outlives their processes.
+HOST = "host"
+NO_HOST_CHECKPOINT = ("no host-memory checkpoint holds every parameter: every node of some placement group "
+                      "lost its host memory (restore the files instead)")
+CHECKPOINT_MODES = (FILE, SNAPSHOT, MEMORY, HOST)
 
 # The tiers a strategy may keep at once (CheckpointTier): at most one in memory and one on storage.
-MEMORY_MODES = (MEMORY,)
+MEMORY_MODES = (MEMORY, HOST)
 STORAGE_MODES = (FILE, SNAPSHOT)
 
 # fp32 master weights + Adam's two moments; the fp16 working weights are re-cast from the master copy.
@@ -53,6 +60,19 @@ class CheckpointTier:
     and its recovery says which it restores (RestoreCheckpoint.source)."""
     mode: str
     every: int | None = None
+    group: int = 1  # HOST: the nodes of a placement group, each holding every member's checkpoint
+
+
+@dataclass(frozen=True)
+class InterleavedCheckpoint:
+    """Per-iteration work (Gemini's traffic scheduling): every `every` iterations each GPU's
+    state goes to its node's host memory and to the other `group - 1` nodes of its placement
+    group, the traffic spread over the idle network time of the iterations between two
+    checkpoints. The modelled clock charges what does not fit in that time
+    (recovery_costs.interleaved_checkpoint_stall_s); on `local` and `dist` the copy is the
+    HOST tier's save, so nothing more is done in the iteration."""
+    every: int
+    group: int
 
 
 @dataclass(frozen=True)
@@ -66,7 +86,7 @@ class LogBoundaries:
 
 
 # Work a strategy asks of every iteration (Strategy.iteration_work); a backend must handle each.
-ITERATION_WORK = (LogBoundaries,)
+ITERATION_WORK = (LogBoundaries, InterleavedCheckpoint)
 
 
 @dataclass(frozen=True)

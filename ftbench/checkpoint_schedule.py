@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from ftbench.actions import CHECKPOINT_MODES, MEMORY_MODES, STORAGE_MODES, CheckpointTier
+from ftbench.actions import CHECKPOINT_MODES, HOST, MEMORY_MODES, STORAGE_MODES, CheckpointTier
 from ftbench.recovery_costs import CheckpointLedger, SaveCost, save_cost
 
 
@@ -34,12 +34,21 @@ def checkpoint_tiers(strategy) -> tuple[CheckpointTier, ...]:
         if tier.every is not None and (not isinstance(tier.every, int) or tier.every < 1):
             raise TypeError(f"strategy {name}: tier {tier.mode} saves every {tier.every!r} iterations; "
                             "give a whole number >= 1, or None for the tuned interval")
+        if not isinstance(tier.group, int) or tier.group < 1 or (tier.group > 1 and tier.mode != HOST):
+            raise TypeError(f"strategy {name}: tier {tier.mode} has group={tier.group!r}; a group of nodes "
+                            f"(a whole number >= 1) is for the {HOST} tier only")
     for kind, modes in (("memory", MEMORY_MODES), ("storage", STORAGE_MODES)):
         if sum(t.mode in modes for t in tiers) > 1:
             raise TypeError(f"strategy {name}: at most one {kind} tier ({' or '.join(modes)}), got {tiers}")
     if sum(t.every is None for t in tiers) > 1:
         raise TypeError(f"strategy {name}: at most one tuned tier (every=None), got {tiers}")
     return tiers
+
+
+def host_tier(strategy) -> CheckpointTier | None:
+    """The strategy's HOST tier (host memory outside the processes), or None: the run's engine
+    then needs its host memory (ftbench.engine.host_memory)."""
+    return next((t for t in checkpoint_tiers(strategy) if t.mode == HOST), None)
 
 
 def keeps_files(strategy) -> bool:

@@ -238,7 +238,9 @@ def _hydra_main(cfg) -> None:
                       cache_dir=Path(hc.sweep.dir) if multirun else None)
     status = summary["status"]
     if status != "ok":
-        message = textwrap.fill(f"ftbench: run ended with status '{status}'. {summary['error']}", width=100)
+        # (names such as in-process-restart stay whole: a reader searches for them)
+        message = textwrap.fill(f"ftbench: run ended with status '{status}'. {summary['error']}", width=100,
+                                break_on_hyphens=False)
         print(f"\n{message}\nRun folder: {hc.runtime.output_dir}", file=sys.stderr)
         if not multirun:
             sys.exit(EXIT_CODES.get(status, 1))
@@ -260,7 +262,8 @@ def _refuse(err: ConfigError, run_dir: Path, cfg, overrides: list[str], multirun
                "model": str(cfg.model.name), "iterations": 0, "failures": 0, "recoveries": [], "status": "error",
                "error": str(err), "overrides": overrides}
     write_summary(run_dir, summary)
-    print(textwrap.fill(f"ftbench: {err}", width=100) + f"\nRun folder: {run_dir}", file=sys.stderr)
+    print(textwrap.fill(f"ftbench: {err}", width=100, break_on_hyphens=False) + f"\nRun folder: {run_dir}",
+          file=sys.stderr)
     if not multirun:
         sys.exit(EXIT_CODES["error"])
 

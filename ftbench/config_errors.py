@@ -223,5 +223,5 @@ def explain_composition_error(err: BaseException, overrides: list[str], conf_dir
         where = f"\nRun folder: {run_dir}"
     except OSError:
         where = ""
-    print(textwrap.fill(f"ftbench: {error}", width=100) + where, file=sys.stderr)
+    print(textwrap.fill(f"ftbench: {error}", width=100, break_on_hyphens=False) + where, file=sys.stderr)
     return EXIT_SETTING

@@ -185,6 +185,9 @@ class JournaledBackend:
     def lose_unfinished_persist(self):
         return self._call("lose_unfinished_persist")
 
+    def lose_host_memory(self, node):
+        return self._call("lose_host_memory", node)
+
     def check_memory(self, plan, timeline):
         return self._call("check_memory", plan, timeline)
 

@@ -84,6 +84,9 @@ class Backend(Protocol):
     def lose_unfinished_persist(self) -> None:
         """Wall clock: a background persist still running when a failure strikes is lost."""
 
+    def lose_host_memory(self, node: int) -> None:
+        """`node` failed: the HOST tier's checkpoints in its host memory are gone."""
+
     def check_memory(self, plan: Plan, timeline: SimResult) -> str | None:
         """None when `plan` fits the workers' memory, else why not (an `oom` result)."""
 
@@ -436,7 +439,7 @@ class RunLoop:
         # logged once the backend has struck: on dist the leader may be among the dead, and the
         # next leader writes the line
         self.log({"event": "fail", "node": event.node, "time_s": t_fail, "iteration": self.it, **extra})
-        self._lose_unpersisted()
+        self._lose_unpersisted(event.node)
         self._ask_strategy(event)
 
     def _workers_on(self, node: int) -> list[int]:
@@ -455,8 +458,10 @@ class RunLoop:
         self.out.failures += 1
         self.log({"event": "fail", "node": node, "time_s": self.now(), "iteration": self.it, **extra})
 
-    def _lose_unpersisted(self) -> None:
-        """Checkpoints not yet durable when a node fails are lost."""
+    def _lose_unpersisted(self, node: int) -> None:
+        """Checkpoints not yet durable when `node` fails are lost, and what it held in host
+        memory outside the processes (the HOST tier)."""
+        self.backend.lose_host_memory(node)
         if self.modelled:
             lost = self.ckpt.drop_not_durable(self.now())
             if lost:
@@ -481,7 +486,7 @@ class RunLoop:
                               "standby": True, "unannounced": found.why or True})
                 continue
             self._fail(node, unannounced=found.why or True)
-            self._lose_unpersisted()
+            self._lose_unpersisted(node)
             self._ask_strategy(FailureEvent(node, iteration=self.it))
 
     def _point(self, timeline: SimResult, fraction: float) -> frozenset:
@@ -508,6 +513,7 @@ class RunLoop:
         if event.kind == "fail":
             cluster.fail(node)
             self.out.failures += 1
+            self.backend.lose_host_memory(node)
         else:
             cluster.join(node)
         self.log({"event": event.kind, "node": node, "time_s": self.now(), "iteration": self.it})
@@ -727,7 +733,7 @@ class RunLoop:
                 elif self.cluster.is_alive(event.node):
                     self.cluster.fail(event.node)
                     self.out.failures += 1
-                    self._lose_unpersisted()
+                    self._lose_unpersisted(event.node)
                 self.log({"event": event.kind, "node": event.node, "time_s": self.t, "iteration": self.it,
                           "while_waiting": True})
             try:

@@ -437,6 +437,22 @@ def _same_keys(like: dict, pairs) -> dict:
     return out
 
 
+def host_groups(nodes, size: int) -> list[tuple[int, ...]]:
+    """Gemini's group placement (Wang et al., SOSP 2023): the job's nodes, in order,
+    cut into groups of `size`; every node of a group holds the checkpoints of all its members
+    in host memory. Where the nodes do not divide evenly the last few join the group before
+    them (the paper's mixed placement puts them in a ring instead; either way each node's
+    checkpoint is on at least `size` nodes). Fewer nodes than `size`: one group of them all."""
+    nodes = sorted(set(nodes))
+    if size < 1:
+        raise ValueError(f"a placement group has at least 1 node, got {size}")
+    groups = [tuple(nodes[k:k + size]) for k in range(0, len(nodes), size)]
+    if len(groups) > 1 and len(groups[-1]) < size:
+        last = groups.pop()
+        groups[-1] += last
+    return groups
+
+
 def checkpoint_writers(plan: Plan, alive=None) -> dict[int, int]:
     """stage -> the worker that writes its shard: one replica per stage, taken from a
     different pipeline for each stage so the writes spread over nodes (as distributed

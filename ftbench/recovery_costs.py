@@ -12,8 +12,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from itertools import cycle
 
-from ftbench.actions import (FILE, MEMORY, SNAPSHOT, LoadFromHost, LogBoundaries, Rendezvous, ReplayLogs, RestartJob,
-                             RestoreCheckpoint, SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement)
+from ftbench.actions import (FILE, HOST, MEMORY, SNAPSHOT, InterleavedCheckpoint, LoadFromHost, LogBoundaries, Rendezvous,
+                             ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers, UndoSteps,
+                             WaitForReplacement)
 from ftbench.actions import CHECKPOINT_BYTES_PER_PARAM
 from ftbench.plan import Plan, checkpoint_writers
 from ftbench.transfers import transfer_seconds
@@ -132,6 +133,8 @@ def save_cost(mode: str, plan: Plan, cost_model, save_s: float | None = None, al
     if mode == MEMORY:  # every worker copies its own state
         copy = most_replica_bytes(plan, cost_model) / (hw.host_gbps * 1e9) if save_s is None else save_s
         return SaveCost(copy, 0.0)
+    if mode == HOST:  # Gemini: the copies are interleaved with training, charged as per-iteration work
+        return SaveCost(0.0 if save_s is None else save_s, 0.0)
     raise ValueError(f"unknown checkpoint mode {mode!r}")
 
 
@@ -149,8 +152,9 @@ def action_seconds(action, old: Plan, new: Plan, cost_model, save_s: float | Non
         cost = save_cost(action.mode, old, cost_model, save_s, alive)
         return cost.stall_s + cost.persist_s  # before a restart the persist must finish
     if isinstance(action, RestoreCheckpoint):
-        if action.source == MEMORY:
-            # Each worker copies its commit back; one taking a new place gets a peer's commit.
+        if action.source in (MEMORY, HOST):
+            # Each worker copies its commit back; one taking a new place gets a peer's commit
+            # (HOST: from the host memory of another node of its group, over the network).
             seconds = most_replica_bytes(new, cost_model) / (hw.host_gbps * 1e9)
             return seconds + _copies_s(action.copies, old, new, cost_model)
         return _most_node_bytes(new, cost_model) / (hw.storage_gbps * 1e9)
@@ -258,6 +262,8 @@ def iteration_work_seconds(work, plan: Plan, cost_model, iteration_s: float) -> 
     to an iteration of `plan` that trains in `iteration_s` seconds."""
     if isinstance(work, LogBoundaries):
         return logging_stall_s(plan, cost_model, iteration_s, work.boundaries)
+    if isinstance(work, InterleavedCheckpoint):
+        return interleaved_checkpoint_stall_s(plan, cost_model, iteration_s, work.every, work.group)
     raise TypeError(f"no modelled cost for the per-iteration work {work!r}")
 
 
@@ -282,3 +288,42 @@ def logging_stall_s(plan: Plan, cost_model, iteration_s: float, logged: frozense
         return 0.0
     slowest = max(most / (hw.host_gbps * 1e9), max(per_node.values()) / (hw.storage_gbps * 1e9))
     return max(0.0, slowest - iteration_s)
+
+
+def interleaved_checkpoint_stall_s(plan: Plan, cost_model, iteration_s: float, every: int, group: int) -> float:
+    """Gemini's checkpoint traffic per iteration (Wang et al., SOSP 2023): every `every`
+    iterations each GPU copies its state to host memory (`host_gbps`, its own PCIe link) and
+    sends it to the other `group - 1` nodes of its placement group over its network link
+    (`inter_node_gbps`, one per GPU as the profiles assume), both in the background, spread
+    over the `every` iterations until the next checkpoint. The network copy uses only the
+    time the link is idle: an iteration's time less the GPU's own gradient all-reduce when
+    its data-parallel ring leaves the node (pipeline activations, kilobytes to megabytes a
+    micro-batch, are left out). Training waits only for what does not fit."""
+    hw = cost_model.hw
+    per_stage = grid_replica_bytes(plan, cost_model)
+    if per_stage is not None:  # a grid: every worker of a stage alike (16,384 workers at scale)
+        grid = plan.grid()
+        pp = grid.pp
+        dp = len(grid.workers) // pp
+        stages = []
+        for s, nbytes in enumerate(per_stage):
+            ring = {plan.node_of[grid.workers[d * pp + s]] for d in range(dp)}
+            params = cost_model.stage(plan.layers(0, s), s == 0, plan.is_last_stage(0, s)).params
+            stages.append((nbytes, cost_model.allreduce_s(params, dp, len(ring) == 1)))
+    else:  # each worker: its bytes, and the all-reduces of the layer ranges it holds
+        rings = defaultdict(list)  # (layers, first, last) -> the workers holding a replica of them
+        for w, held in plan.holds.items():
+            for d, s in held:
+                rings[(plan.layers(d, s), s == 0, plan.is_last_stage(d, s))].append(w)
+        sync_of = {key: cost_model.allreduce_s(cost_model.stage(*key).params, len(ws),
+                                               len({plan.node_of[v] for v in ws}) == 1)
+                   for key, ws in rings.items()}
+        stages = [(nbytes, sum(sync_of[(plan.layers(d, s), s == 0, plan.is_last_stage(d, s))]
+                               for d, s in plan.holds[w]))
+                  for w, nbytes in replica_bytes(plan, cost_model).items()]
+    worst = 0.0
+    for nbytes, sync in stages:
+        local = nbytes / (hw.host_gbps * 1e9) / every
+        remote = (group - 1) * nbytes / (hw.inter_node_gbps * 1e9) / every
+        worst = max(worst, local - iteration_s, remote + sync - iteration_s)
+    return worst

@@ -361,3 +361,21 @@ def test_jit_checkpoint_saves_from_the_survivors_after_a_real_kill(tmp_path):
     assert (recovery["restored_iteration"], recovery["lost_iterations"]) == (3, 0)
     assert [x["iteration"] for x in lines if x["event"] == "checkpoint"] == [0]  # no periodic save before
     assert (tmp_path / "checkpoints" / "iter_00000003" / "manifest.json").exists()
+
+
+def test_gemini_reloads_host_memory_kept_across_the_restart_after_a_real_kill(tmp_path):
+    """Gemini: node 1 (ranks 2 and 3) is killed in iteration 3; every process restarts, node 0's
+    ranks load their state from node 0's host memory (it outlived their processes) and the
+    standby's ranks load node 1's from the same place (node 0 holds its group's), so the job
+    goes on from iteration 3 where the files (every 4) hold only iteration 0."""
+    summary, lines = run_dist(tmp_path, "strategy=gemini", "strategy.every=4", "cluster.gpus_per_node=2",
+                              "cluster.spares=1", "failures.events=[{iteration:3,node:1}]")
+    _assert_complete(summary, lines, 1, 3)
+    _assert_measured(summary, [2, 3])
+    (measured,) = summary["measured_recoveries"]
+    assert measured["actions"] == ["WaitForReplacement", "RestartJob", "RestoreCheckpoint"]
+    assert len(measured["processes_ended"]) == 4
+    (recovery,) = summary["recoveries"]
+    assert (recovery["restored_iteration"], recovery["lost_iterations"]) == (3, 0)
+    assert sorted((c["src"], c["dst"]) for c in recovery["copies"]) == [(0, 2), (0, 3)]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter_00000000", "iter_00000004"]

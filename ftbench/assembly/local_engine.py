@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ftbench.checkpoint_schedule import keeps_files
+from ftbench.engine.host_memory import run_host_memory
 from ftbench.errors import ConfigError
 from ftbench.folders import inside
 
@@ -24,9 +25,8 @@ def local_engine(cfg, ctx, strategy, run_dir: Path | None, log=None) -> LocalEng
     except ValueError as err:
         raise ConfigError("train.data_path" if cfg.train.data == "text" else "train.data", str(err),
                           "point train.data_path at a local text file, or use train.data=synthetic") from None
-    store = None
+    store = on_skip = None
     if run_dir is not None and keeps_files(strategy):
-        on_skip = None
         if log is not None:  # a skipped checkpoint is a metrics line, not only a warning
             def on_skip(reason: str, iteration: int) -> None:
                 log({"event": "checkpoint_skipped", "iteration": iteration, "reason": reason})
@@ -38,4 +38,6 @@ def local_engine(cfg, ctx, strategy, run_dir: Path | None, log=None) -> LocalEng
         boundary_log = BoundaryLog(inside(run_dir, "strategy.log_dir", strategy.log_dir))
     engine = LocalEngine(ctx, data, cfg.train.lr, cfg.train.weight_decay, store, cfg.backend.dtype, boundary_log)
     engine.iteration_work = strategy.iteration_work  # (Swift's logging)
+    engine.host_memory = run_host_memory(cfg, strategy, run_dir, on_skip)
     return engine
+

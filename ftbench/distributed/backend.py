@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ftbench.actions import (FILE, MEMORY, SNAPSHOT, LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint,
+from ftbench.actions import (FILE, HOST, MEMORY, SNAPSHOT, LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint,
                              SaveCheckpoint, SyncFromPeers, UndoSteps, WaitForReplacement, leading_saves,
                              performer)
 from ftbench.distributed.engine import DistEngine
@@ -522,6 +522,13 @@ class DistBackend:
         leader = engine.rank == t.leader
         if mode == MEMORY:
             engine.commit(iteration)
+        elif mode == HOST:  # every rank's replicas to the leader, which writes each node's host memory
+            mine = engine.host_shards() if engine.worker is not None else ({}, {})
+            gathered = t.all_gather_objects(mine, "gather the host-memory checkpoint")
+            if leader:
+                shards = {k: v for part, _ in gathered for k, v in part.items()}
+                home = {k: v for _, part in gathered for k, v in part.items()}
+                engine.host_memory.save(iteration, shards, home, {plan.node_of[w] for w in plan.holds})
         elif mode in (FILE, SNAPSHOT):
             shards = engine.my_shards(plan) if engine.worker is not None else {}
             gathered = t.all_gather_objects(shards, "gather the checkpoint shards")
@@ -565,6 +572,12 @@ class DistBackend:
         """A failure kills a persist still in flight only on the failed node; the leader's
         (which wrote it) finishes unless the leader died, and then it never completes."""
         return None
+
+    def lose_host_memory(self, node: int) -> None:
+        """The failed node's host memory goes (the leader, which writes it, empties its folder)."""
+        engine = self.engine
+        if engine.host_memory is not None and engine.rank == engine.transport.leader:
+            engine.host_memory.lose(node)
 
     def check_memory(self, plan, timeline) -> str | None:
         return None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ftbench.actions import MEMORY
+from ftbench.actions import HOST, MEMORY, NO_HOST_CHECKPOINT
 from ftbench.distributed.faults import die, dies_among_ops
 from ftbench.distributed.membership import log
 from ftbench.distributed.transport import DistError, DistTransport, plan_crc
@@ -228,13 +228,19 @@ class DistEngine(EngineState):
                 self.store.wait()  # a persist in flight completes before anyone reads
             t.all_sum(torch.zeros(1, dtype=torch.float64, device=self.device), "wait for the checkpoint files")
             self.adopt(plan)
-            loaded = self.store.load() if self.store is not None else None
+            if source == HOST:  # this rank's parameters, from every node's host memory still there
+                loaded = self.host_memory.load(self._expected())
+            else:
+                loaded = self.store.load() if self.store is not None else None
             found = torch.zeros(len(t.alive), dtype=torch.float64, device=self.device)
             found[t.alive.index(self.rank)] = -1 if loaded is None else loaded[0]
             t.all_sum(found, "agree on the checkpoint to restore")
             if len(set(found.tolist())) != 1:
-                raise DistError(f"the ranks found different checkpoints in {self.store.root}: iterations "
+                root = (self.host_memory if source == HOST else self.store).root
+                raise DistError(f"the ranks found different checkpoints in {root}: iterations "
                                 f"{[int(v) for v in found.tolist()]} (ranks {t.alive}); is the run folder shared?")
+            if loaded is None and source == HOST:  # every rank alike: none found one
+                raise ResultError("unrecoverable", NO_HOST_CHECKPOINT)
             if loaded is None:
                 self.build(plan)
                 return 0
@@ -243,6 +249,12 @@ class DistEngine(EngineState):
         if self.worker is not None:
             load_shards(self.worker.replicas.values(), shards, self.device)
         return iteration
+
+    def _expected(self) -> dict:
+        """{parameter name: shape} of this rank's replicas (what its restore must find)."""
+        if self.worker is None:
+            return {}
+        return {n: tuple(p.shape) for r in self.worker.replicas.values() for n, p in r.named_parameters().items()}
 
     def replay(self, plan, workers, since: int, until: int, chunks: int = 1) -> None:
         """Swift's logging-based recovery (ftbench.actions.ReplayLogs), every live rank taking

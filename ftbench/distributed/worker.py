@@ -279,6 +279,7 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
     from ftbench.distributed.engine import DistEngine
     from ftbench.distributed.faults import parse_kill, parse_stall
     from ftbench.distributed.transport import DistTransport
+    from ftbench.engine.host_memory import run_host_memory
     from ftbench.engine.local import DTYPES
     from ftbench.failures import build_failure_script
     from ftbench.loop import run_loop
@@ -323,6 +324,7 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
                         kill=parse_kill(cfg.backend.kill) if cfg.backend.get("kill") is not None else None,
                         boundary_log=boundary_log)
     engine.iteration_work = strategy.iteration_work  # (Swift's logging)
+    engine.host_memory = run_host_memory(cfg, strategy, run_dir)  # the leader writes, every rank reads
     timelines = SimCache(ctx.cost_model, iteration_work=strategy.iteration_work)
     membership = None
     if heartbeat is not None:

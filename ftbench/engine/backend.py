@@ -131,6 +131,10 @@ class LocalBackend:
     def lose_unfinished_persist(self) -> None:
         self.engine.lose_unfinished_persist()
 
+    def lose_host_memory(self, node: int) -> None:
+        if self.engine.host_memory is not None:
+            self.engine.host_memory.lose(node)
+
     def check_memory(self, plan, timeline) -> None:
         return None  # check_fits_host refused, before the run, what this machine cannot hold
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ftbench.actions import (FILE, MEMORY, SNAPSHOT)
+from ftbench.actions import (FILE, HOST, MEMORY, NO_HOST_CHECKPOINT, SNAPSHOT)
 from ftbench.checkpoint import CheckpointStore
 from ftbench.engine.boundary_log import BoundaryLog, ReplayTransport, unusable_replay
 from ftbench.engine.iteration_work import performing
@@ -190,6 +190,10 @@ class LocalEngine(EngineState):
             self.commit(iteration)
             self._track_memory()  # the commits are host memory from now on
             return SaveCost(time.perf_counter() - started, 0.0)
+        if mode == HOST:
+            shards, home = self.host_shards()
+            self.host_memory.save(iteration, shards, home, {self.plan.node_of[w] for w in self.plan.holds})
+            return SaveCost(time.perf_counter() - started, 0.0)
         shards = {wr.name: self._shard(wr) for wr in self._writers()}
         if mode == FILE:
             info = self.store.save(iteration, shards)
@@ -217,12 +221,16 @@ class LocalEngine(EngineState):
                        for r in worker.replicas.values() if r.commit is not None]
             self.adopt(plan)
             iteration, shards = newest_commits(commits)
+        elif source == HOST:
+            self.adopt(plan)
+            loaded = self.host_memory.load(self._expected(plan))
+            if loaded is None:
+                raise ResultError("unrecoverable", NO_HOST_CHECKPOINT)
+            iteration, shards = loaded[0], list(loaded[1].values())
         else:
             self.adopt(plan)
             # Only a checkpoint whose every parameter has the shape this model needs is usable.
-            expected = {n: tuple(p.shape) for w in plan.holds for r in self.workers[w].replicas.values()
-                        for n, p in r.named_parameters().items()}
-            loaded = self.store.load(expected=expected) if self.store is not None else None
+            loaded = self.store.load(expected=self._expected(plan)) if self.store is not None else None
             if loaded is None:
                 warnings.warn("no usable checkpoint: restarting from the initial weights (iteration 0)")
                 self.build(plan)
@@ -231,6 +239,11 @@ class LocalEngine(EngineState):
             shards = list(by_name.values())
         self._load_all(plan, shards)
         return iteration
+
+    def _expected(self, plan) -> dict:
+        """{parameter name: shape} of every replica of `plan` (what a restore must find)."""
+        return {n: tuple(p.shape) for w in plan.holds for r in self.workers[w].replicas.values()
+                for n, p in r.named_parameters().items()}
 
     def _load_all(self, plan, shards, workers=None) -> None:
         replicas = [r for w in (plan.holds if workers is None else workers) for r in self.workers[w].replicas.values()]

@@ -50,6 +50,9 @@ class EngineState:
         # strategy.iteration_work(plan): what every iteration does beyond training, performed
         # by ftbench.engine.iteration_work (the run's assembly sets the strategy's)
         self.iteration_work = no_work
+        # the HOST tier's host memory, outside the processes (ftbench.engine.host_memory): the
+        # run's assembly sets it for a strategy that keeps one (gemini)
+        self.host_memory = None
         self.workers: dict[int, Worker] = {}  # the workers this process runs
         self.plan = None
         self.undone = 0  # optimizer steps undone over the run (abandoned iterations), every replica of the job
@@ -174,6 +177,19 @@ class EngineState:
                     replica.commit = None
         if writer and self.store is not None:
             self.store.discard_after_persist([i for i in self.store.iterations() if i > iteration])
+        if writer and self.host_memory is not None:
+            self.host_memory.forget_newer(iteration)
+
+    def host_shards(self) -> tuple[dict[str, dict], dict[str, int]]:
+        """This process's part of a HOST checkpoint: every live replica of the plan as a shard
+        named after its worker, and the node each shard's worker runs on."""
+        shards, home = {}, {}
+        for w, worker in sorted(self.workers.items()):
+            if w in self.plan.holds and worker.alive:
+                for k, replica in enumerate(worker.replicas.values()):
+                    name = f"worker{w}_{k}"
+                    shards[name], home[name] = on_cpu(replica.shard()), self.plan.node_of[w]
+        return shards, home
 
     def keep(self) -> dict:
         """This process's state before a recovery (each live worker's replicas: weights, AdamW

@@ -8,7 +8,7 @@ from __future__ import annotations
 from itertools import compress, repeat
 from operator import gt, itemgetter
 
-from ftbench.actions import (FILE, MEMORY, STORAGE_MODES, LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
+from ftbench.actions import (FILE, HOST, MEMORY, NO_HOST_CHECKPOINT, STORAGE_MODES, LoadFromHost, Rendezvous, ReplayLogs, RestartJob, RestoreCheckpoint, SaveCheckpoint, SyncFromPeers,
                              UndoSteps, WaitForReplacement)
 from ftbench.errors import ResultError
 from ftbench.plan import Plan
@@ -61,7 +61,7 @@ class SimBackend:
             if isinstance(action, SaveCheckpoint):
                 self.save(old, iteration, action.mode)
             elif isinstance(action, RestartJob):
-                self.saved.pop(MEMORY, None)  # every process restarts: what was in memory is gone
+                self.saved.pop(MEMORY, None)  # every process restarts: what was in memory is gone (not HOST)
             elif isinstance(action, RestoreCheckpoint):
                 # The newest checkpoint of the tier restored (0: the initial state, re-created
                 # from the seed); later ones of any tier cannot exist, they would belong to the
@@ -69,6 +69,8 @@ class SimBackend:
                 held = self._of(action.source)
                 if action.source == MEMORY and not held:  # as local and dist find it (newest_commits)
                     raise ResultError("unrecoverable", "no in-memory commit survived the failure")
+                if action.source == HOST and not held:  # as local and dist find it (HostMemory.load)
+                    raise ResultError("unrecoverable", NO_HOST_CHECKPOINT)
                 restored = max(held, default=0)
                 self.saved = {mode: [i for i in kept if i <= restored] for mode, kept in self.saved.items()}
             elif isinstance(action, ReplayLogs):
@@ -97,6 +99,9 @@ class SimBackend:
 
     def lose_unfinished_persist(self) -> None:
         pass
+
+    def lose_host_memory(self, node: int) -> None:
+        pass  # which nodes' host memory can still serve a restore is the strategy's to say (gemini)
 
     def check_memory(self, plan: Plan, result: SimResult) -> str | None:
         # The loop asks again after every event; a result already folded in changes nothing.
