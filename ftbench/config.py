@@ -177,6 +177,7 @@ class TableConfig:
     strategies: Any = field(default_factory=dict)  # strategy -> its own settings in this table (e.g. {varuna: {save_s: 11.2}})
     paper: Any = field(default_factory=dict)  # model -> row label -> column -> published value ("OOM" or a number)
     sources: Any = field(default_factory=dict)  # setting -> where its value comes from, or "assumption: ..."
+    anchors: Any = field(default_factory=list)  # reported whole-job figures shown beside the table as context, never scored
     timeline: Any = field(default_factory=dict)  # {model, column} of throughput_over_time.png (empty: the first model, the last column)
 
 

@@ -110,7 +110,7 @@ def aggregate(spec: dict, cells: list[dict]) -> list[dict]:
         if ok:
             record["throughput"], record["ci95"] = interval95([r["throughput"] for r in ok])
             ettrs = [r["ettr"] for r in ok if isinstance(r.get("ettr"), (int, float))]
-            record["ettr"] = statistics.fmean(ettrs) if ettrs else None
+            record["ettr"], record["ettr_ci95"] = interval95(ettrs) if ettrs else (None, None)
             record["failures"] = statistics.fmean(r.get("failures", 0) for r in ok)
             record["efficiency"] = ok[0].get("efficiency")
         peaks = [p for p in (peak_memory_max(r) for r in runs) if p]
@@ -169,6 +169,10 @@ def markdown(spec: dict, records: list[dict]) -> str:
             lines.append(f"| {system} | " + " | ".join(cell_text(by_cell.get((model, system, c))) for c in columns)
                          + " |")
         lines.append("")
+    anchors = spec.get("anchors") or []
+    if anchors:  # reported for other jobs and setups: context for the ETTR column, not scored
+        lines += ["Anchors (whole-job figures reported for production runs, other setups: context, not scored):",
+                  "", *[f"- {a}" for a in anchors], ""]
     lines += _checks_markdown(spec, records)
     return "\n".join(lines) + "\n"
 
@@ -185,7 +189,7 @@ def _checks_markdown(spec: dict, records: list[dict]) -> list[str]:
         paper = r["paper"] if r["paper"] is not None else ""
         lines.append(f"| {labels.get(r['model'], r['model'])} | {r['system']} | {r['column']} | {r['seeds']} | "
                      f"{r['status']} | {_num(r.get('throughput'))} | {_num(r.get('ci95'))} | {paper} | "
-                     f"{_num(r.get('ratio'))} | {_num(100 * r['ettr'], 1) + ' %' if r.get('ettr') is not None else ''} | "
+                     f"{_num(r.get('ratio'))} | {_ettr_text(r)} | "
                      f"{_num(r.get('failures'), 1)} | {_num(r.get('peak_memory_gb'), 1)} | "
                      f"{_num(r.get('efficiency'), 4)} |")
     errors = [r for r in records if r.get("error")]
@@ -194,6 +198,14 @@ def _checks_markdown(spec: dict, records: list[dict]) -> list[str]:
         lines += [f"- {labels.get(r['model'], r['model'])}, {r['system']}, {r['column']}: {r['error']}"
                   for r in sorted(errors, key=_record_order(spec))]
     return lines
+
+
+def _ettr_text(record: dict) -> str:
+    """ETTR in percent, with the half-width of its 95 % interval over seeds where there is one."""
+    if record.get("ettr") is None:
+        return ""
+    ci = record.get("ettr_ci95")
+    return _num(100 * record["ettr"], 1) + (f" ± {_num(100 * ci, 1)}" if ci else "") + " %"
 
 
 def _record_order(spec: dict):
@@ -208,7 +220,7 @@ def _record_order(spec: dict):
 
 
 CSV_COLUMNS = ["model", "system", "strategy", "column", "seeds", "status", "throughput", "ci95", "paper", "ratio",
-               "ettr", "failures", "peak_memory_gb", "efficiency", "error"]
+               "ettr", "ettr_ci95", "failures", "peak_memory_gb", "efficiency", "error"]
 
 
 def write_csv(spec: dict, records: list[dict], path: Path) -> None:
