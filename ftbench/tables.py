@@ -157,32 +157,49 @@ def markdown(spec: dict, records: list[dict]) -> str:
     labels = _model_names(spec)
     columns = list(spec.get("columns") or {})
     systems = list(dict.fromkeys([*(spec.get("rows") or {}).values(), *(r["system"] for r in records)]))
-    lines = [f"# {spec.get('title') or spec['name']}", "",
-             "Each cell: ours (the paper's value, ours / paper). Ours is the mean over seeds ± the half-width "
-             "of its 95 % interval where failures are random; `–`: not in this sweep.", ""]
+    published = bool(spec.get("paper"))
+    lines = [f"# {spec.get('title') or spec['name']}", ""]
+    if published:
+        lines += ["Each cell: ours (the paper's value, ours / paper). Ours is the mean over seeds ± the half-width "
+                  "of its 95 % interval where failures are random; `–`: not in this sweep.", ""]
+    else:  # no published cells (today-16k): throughput and ETTR, nothing to score
+        lines += ["Each cell: throughput in samples/s, then ETTR (time on iterations that count over run time); "
+                  "each the mean over seeds ± the half-width of its 95 % interval where failures are random; "
+                  "`–`: not in this sweep.", ""]
+    text = cell_text if published else _throughput_and_ettr
     for model in models:
         lines += [f"## {labels.get(model, model)}", "", "| system | " + " | ".join(columns) + " |",
                   "|---|" + "---|" * len(columns)]
         for system in systems:
             if not any((model, system, c) in by_cell for c in columns):
                 continue
-            lines.append(f"| {system} | " + " | ".join(cell_text(by_cell.get((model, system, c))) for c in columns)
+            lines.append(f"| {system} | " + " | ".join(text(by_cell.get((model, system, c))) for c in columns)
                          + " |")
         lines.append("")
     anchors = spec.get("anchors") or []
     if anchors:  # reported for other jobs and setups: context for the ETTR column, not scored
         lines += ["Anchors (whole-job figures reported for production runs, other setups: context, not scored):",
                   "", *[f"- {a}" for a in anchors], ""]
-    lines += _checks_markdown(spec, records)
+    lines += _checks_markdown(spec, records, scored=published)
     return "\n".join(lines) + "\n"
 
 
-def _checks_markdown(spec: dict, records: list[dict]) -> list[str]:
+def _throughput_and_ettr(record: dict | None) -> str:
+    """A cell of a table with no published values: 'throughput ± ci · ETTR ± ci %', or the status."""
+    if record is None:
+        return "–"
+    if record["status"] != "ok":
+        return record["status"].upper() if record["status"] == "oom" else record["status"]
+    ours = f"{record['throughput']:,.0f}" + (f" ± {record['ci95']:,.0f}" if record.get("ci95") else "")
+    return f"{ours} · {_ettr_text(record)}"
+
+
+def _checks_markdown(spec: dict, records: list[dict], scored: bool = True) -> list[str]:
     labels = _model_names(spec)
-    lines = markdown_lines(spec, score(spec, records), labels)
-    lines += ["", "## Per cell", "",
+    lines = markdown_lines(spec, score(spec, records), labels) + [""] if scored else []
+    lines += ["## Per cell", "",
               "Peak memory: the largest worker's, GB. ETTR: time on iterations that count / run time. "
-              "Efficiency: the model's `hardware.efficiency` (fitted, listed above).", "",
+              "Efficiency: the model's `hardware.efficiency`" + (" (fitted, listed above)." if scored else "."), "",
               "| model | system | column | seeds | status | throughput | ±95 % | paper | ratio | ETTR | failures | "
               "peak memory (GB) | efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=_record_order(spec)):

@@ -32,6 +32,9 @@ SKIPPED = [
     (r"^ftbench --multirun \+experiment=(recycle|oobleck)-table",
      "a paper table: 2.5-4 min (docs/reproducing.md); its one-cell form runs here and "
      "tests/test_tables.py runs a reduced sweep"),
+    (r"^ftbench --multirun \+experiment=today-16k",
+     "today's strategies at 16,384 GPUs: 45 jobs, 5-8 min (docs/today.md); tests/test_today_table.py runs a "
+     "cell on a smaller grid and holds the sweep to the registry"),
     (r"^(CUDA_VISIBLE_DEVICES=\S* )?python benchmarks/", "a benchmark (seconds to an hour, docs/benchmarks.md); "
                              "tests/test_benchmarks_help.py runs every --help"),
     (r"^python -m ftbench\.sensitivity", "needs the folders of several table sweeps (minutes each); "
