@@ -39,10 +39,13 @@ SKIPPED = [
                              "tests/test_benchmarks_help.py runs every --help"),
     (r"^python -m ftbench\.sensitivity", "needs the folders of several table sweeps (minutes each); "
                                          "tests/test_sensitivity.py runs it on small ones"),
-    (r"backend=dist .*strategy=(checkpoint|recycle)|strategy=swift backend=dist",
-     "a dist run with a failure: 35-55 s each on 2 cores; the same strategy and failure on dist "
-     "run in tests/test_dist_failures.py (checkpoint onto a standby, recycle re-routing) and "
-     "tests/test_dist_swift.py (a lost stage replayed from the logs)"),
+    (r"backend=dist .*strategy=(checkpoint|recycle|jit-checkpoint|in-process-restart|gemini) |"
+     r"strategy=swift backend=dist",
+     "a dist run with a failure: 30-55 s each on 2 cores; the same strategy and failure on dist "
+     "run in tests/test_dist_failures.py (checkpoint onto a standby, recycle re-routing, the "
+     "survivors' just-in-time save, the in-process restart onto a reserve worker, Gemini's reload "
+     "from host memory after the restart) and tests/test_dist_swift.py (a lost stage replayed "
+     "from the logs)"),
     (r"^cd runs/|^wandb sync |^find runs/.*offline-run|^while read",
      "wandb sync needs the network; tests/test_metrics.py copies an offline run folder elsewhere "
      "and finds its metrics, config, console, tables, images and artifacts in the .wandb file"),
