@@ -27,6 +27,7 @@ from ftbench.cluster import Cluster
 from ftbench.errors import ConfigError
 from ftbench.failures import FailureEvent
 from ftbench.plan import host_groups
+from ftbench.recovery_costs import most_replica_bytes
 from ftbench.strategies.base import Recovery, StrategyConfig, StrategyTests, register
 from ftbench.strategies.checkpoint import CheckpointRestart
 
@@ -73,6 +74,11 @@ class Gemini(CheckpointRestart):
 
     def iteration_work(self, plan):
         return (InterleavedCheckpoint(self.memory_every, self.group),)
+
+    def extra_memory(self, plan) -> tuple[None, float]:
+        """Host memory per GPU (the sim's report): its own checkpoint and those of the group's
+        other nodes' GPUs, `group` copies of a GPU's state."""
+        return None, self.group * most_replica_bytes(plan, self.ctx.cost_model)
 
     def _holds_checkpoint(self, node: int, iteration: int) -> bool:
         """Whether `node`'s host memory holds the newest in-memory checkpoint while iteration
