@@ -156,6 +156,8 @@ def test_a_seeded_random_kill(tmp_path, strategy):
                  marks=pytest.mark.full),
     # a join and a member's failure merged into one restart
     pytest.param("varuna", "changes during recovery", marks=pytest.mark.full),
+    # node 3's state from its group peer's host memory (node 2), kept across the restart
+    pytest.param("gemini", [dict(iteration=3, node=3)], marks=pytest.mark.full),
 ])
 def test_dist_agrees_with_sim(tmp_path, strategy, events):
     """The conformance check (tests/test_conformance.py) with dist in it: on the modelled clock
