@@ -258,10 +258,10 @@ def test_checkpoint_that_does_not_fit_is_skipped_with_a_warning(tmp_path, spoil,
 def disk_full_at(monkeypatch, folder: str, file: str = "manifest.json", code: int = errno.ENOSPC):
     real = ckpt._write_file
 
-    def write(path, data):
+    def write(path, data, *durable):
         if folder in str(path) and path.name == file:
             raise OSError(code, "No space left on device" if code == errno.ENOSPC else "I/O error")
-        real(path, data)
+        real(path, data, *durable)
 
     monkeypatch.setattr(ckpt, "_write_file", write)
 

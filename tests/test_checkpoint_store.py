@@ -183,10 +183,10 @@ def test_second_save_async_waits_for_first(tmp_path, monkeypatch):
     release = threading.Event()
     real_write = ckpt._write_file
 
-    def slow_write(path, data):
+    def slow_write(path, data, *durable):
         if "iter_00000001" in str(path):
             assert release.wait(10)
-        real_write(path, data)
+        real_write(path, data, *durable)
 
     monkeypatch.setattr(ckpt, "_write_file", slow_write)
     store = CheckpointStore(tmp_path)
@@ -212,7 +212,7 @@ def test_second_save_async_waits_for_first(tmp_path, monkeypatch):
 
 
 def test_failed_persist_is_reraised(tmp_path, monkeypatch):
-    def broken_write(path, data):
+    def broken_write(path, data, *durable):
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt, "_write_file", broken_write)

@@ -163,3 +163,18 @@ def test_a_strategy_that_counts_on_lost_memory_gets_unrecoverable(tmp_path, monk
                   "failures=scripted", "failures.events=[{iteration:5,node:1},{iteration:5,node:0}]")
     assert summary["status"] == "unrecoverable"
     assert "no host-memory checkpoint holds every parameter" in summary["error"]
+
+
+def test_host_memory_is_written_without_fsync(tmp_path, monkeypatch):
+    """Memory survives no power loss: the files standing in for it skip fsync (the checkpoint
+    files keep it), and a load still verifies every shard it reads."""
+    import os
+
+    def no_fsync(fd):
+        raise AssertionError("fsync on host memory")
+
+    monkeypatch.setattr(os, "fsync", no_fsync)
+    memory = HostMemory(tmp_path, group=1)
+    memory.save(1, {"worker0_0": {"model": {"w": torch.ones(2)}, "optim": {}}}, {"worker0_0": 0}, {0})
+    (tmp_path / "node0" / "iter_00000001" / "worker0_0.pt").write_bytes(b"damaged")
+    assert memory.load({"w": (2,)}) is None  # the damaged shard does not verify

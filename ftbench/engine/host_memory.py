@@ -2,7 +2,8 @@
 an agent outside the training processes, as Gemini keeps it (Wang et al., SOSP 2023).
 
 Each node's "host memory" is a folder of the run, `host/node<N>/`, holding checkpoints as the
-checkpoint store writes them (manifest, sha256 per shard, the newest `keep`). A save puts
+checkpoint store writes them (manifest, sha256 per shard, the newest `keep`), without fsync:
+memory survives no power loss either. A save puts
 every worker's replicas in its own node's folder and in those of the other nodes of its
 placement group (ftbench.plan.host_groups). A process restart leaves the folders as they are
 (the agents' memory outlives the processes); a node's failure empties its folder (`lose`).
@@ -33,7 +34,8 @@ class HostMemory:
     def store(self, node: int) -> CheckpointStore:
         """Node `node`'s host memory."""
         if node not in self._stores:
-            self._stores[node] = CheckpointStore(self.root / f"node{node}", keep=self.keep, on_skip=self.on_skip)
+            self._stores[node] = CheckpointStore(self.root / f"node{node}", keep=self.keep, on_skip=self.on_skip,
+                                                 durable=False)
         return self._stores[node]
 
     def nodes(self) -> list[int]:
