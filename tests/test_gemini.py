@@ -178,3 +178,15 @@ def test_host_memory_is_written_without_fsync(tmp_path, monkeypatch):
     memory.save(1, {"worker0_0": {"model": {"w": torch.ones(2)}, "optim": {}}}, {"worker0_0": 0}, {0})
     (tmp_path / "node0" / "iter_00000001" / "worker0_0.pt").write_bytes(b"damaged")
     assert memory.load({"w": (2,)}) is None  # the damaged shard does not verify
+
+
+def test_the_stall_per_worker_equals_the_grids_per_stage(tmp_path):
+    """The per-worker path (any plan) and the per-stage shortcut (a grid) give the same stall."""
+    import dataclasses
+
+    plan, cost_model = _stall(tmp_path)
+    any_plan = dataclasses.replace(plan, holds=dict(plan.holds))  # the same plan, no longer known as a grid
+    assert plan.grid() is not None and any_plan.grid() is None
+    for iteration_s, every, group in ((0.1, 1, 2), (0.3, 2, 3), (6.0, 1, 2)):
+        assert interleaved_checkpoint_stall_s(any_plan, cost_model, iteration_s, every, group) == pytest.approx(
+            interleaved_checkpoint_stall_s(plan, cost_model, iteration_s, every, group), rel=1e-12, abs=0)
