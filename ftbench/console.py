@@ -69,7 +69,8 @@ def format_summary(summary: dict) -> str:
     throughput = s.get("throughput")
     iterations = _or_dash(s.get("iterations"))
     if s.get("samples") is not None:
-        iterations += f" ({s['samples']} samples)"
+        dropped = s.get("samples_dropped") or 0  # the samples ledger: a step without some replicas
+        iterations += f" ({s['samples']} samples" + (f", {dropped} of the global batch dropped)" if dropped else ")")
     microbatches = _or_dash(s.get("microbatches"))
     if s.get("global_batch") is not None:
         microbatches += f" (global batch {s['global_batch']})"

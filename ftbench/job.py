@@ -84,9 +84,15 @@ def clock_of(cfg) -> str:
 
 
 def totals(outcome, global_batch: int) -> dict:
-    samples = outcome.iterations * global_batch
+    """The run's totals. `samples`: those that counted, from the ledger (every kept
+    iteration's plan); `samples_dropped`: the global batch's samples its kept iterations did
+    not train (0 for a strategy that keeps the global batch)."""
+    ledger = getattr(outcome, "ledger", None)
+    full = outcome.iterations * global_batch
+    samples = sum((last - first + 1) * each for first, last, each in ledger) if ledger else full
     segments = outcome.plan_segments
-    return {"iterations": outcome.iterations, "samples": samples, "time_s": outcome.time_s,
+    return {"iterations": outcome.iterations, "samples": samples, "samples_dropped": full - samples,
+            "ledger": ledger or [], "time_s": outcome.time_s,
             "throughput": samples / outcome.time_s if outcome.time_s > 0 else 0.0,
             "ettr": ettr(outcome.productive_s, outcome.time_s), "productive_s": outcome.productive_s,
             "failures": outcome.failures, "recoveries": outcome.recoveries,

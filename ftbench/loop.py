@@ -124,6 +124,7 @@ class LoopOutcome(RunOutcome):
     losses: list[float] = field(default_factory=list)  # per iteration; nan where none was computed
     checkpoints: int = 0
     plan_segments: list[dict] = field(default_factory=list)  # {first, last, plan, shape} runs of iterations
+    ledger: list[list[int]] = field(default_factory=list)  # [first, last, samples each]: SamplesLedger.entries
     peak_memory_bytes: dict[int, float] = field(default_factory=dict)
     first_timeline: SimResult | None = None
     plan_after_recovery: Plan | None = None  # the plan after the first recovery that changed it
@@ -171,6 +172,47 @@ class KeptIterations:
         return math.fsum(count * each for _, count, each in self.runs)
 
 
+class SamplesLedger:
+    """The training-semantics ledger: how many samples counted in each iteration the final
+    model holds (each iteration once, as its kept execution trained it), as runs
+    [first, count, samples each]. A plan's samples are its pipelines' micro-batches times the
+    micro-batch size: the global batch for every strategy that keeps it; fewer where a step
+    trains without some data-parallel replicas. A rollback drops what the redo replaces."""
+
+    def __init__(self):
+        self.runs: list[list] = []
+
+    def add(self, first: int, count: int, samples: int) -> None:
+        last = self.runs[-1] if self.runs else None
+        if last is not None and last[0] + last[1] == first and last[2] == samples:
+            last[1] += count
+        else:
+            self.runs.append([first, count, samples])
+
+    def rollback(self, to: int) -> None:
+        """Iterations `to` and later are lost: the run continues from iteration `to`."""
+        while self.runs and self.runs[-1][0] >= to:
+            self.runs.pop()
+        if self.runs and self.runs[-1][0] + self.runs[-1][1] > to:
+            self.runs[-1][1] = to - self.runs[-1][0]
+
+    def samples(self) -> int:
+        return sum(count * each for _, count, each in self.runs)
+
+    def entries(self) -> list[list[int]]:
+        """[first, last, samples each] per run of iterations."""
+        return [[first, first + count - 1, each] for first, count, each in self.runs]
+
+
+def plan_samples(plan, microbatch_size: int) -> int:
+    """The samples one iteration of `plan` trains: its pipelines' micro-batches, each of
+    `microbatch_size` samples (memoised on the plan: 2,048 pipelines at scale)."""
+    memo = plan.__dict__.get("_samples_memo")
+    if memo is None or memo[0] != microbatch_size:
+        memo = plan.__dict__["_samples_memo"] = (microbatch_size, sum(plan.schedule.microbatches) * microbatch_size)
+    return memo[1]
+
+
 class RunLoop:
     def __init__(self, ctx, strategy, cluster: Cluster, script: FailureScript, backend: Backend, timelines,
                  log, progress=None, clock: str = "model", journal: Journal | None = None):
@@ -199,6 +241,7 @@ class RunLoop:
         self.stopped = False  # the run reached its end while waiting for nodes (_wait_for_nodes)
         self.waits_for_joins = bool(getattr(script, "waits_for_joins", False))
         self.kept = KeptIterations()
+        self.ledger = SamplesLedger()
         self._points: dict = {}
         self._wall0 = self._wall()
         self._nodes: tuple | None = None  # ((plan, its nodes), ...): the last two plans asked about
@@ -221,6 +264,7 @@ class RunLoop:
         except BaseException as err:  # Ctrl-C, SIGTERM, a bug: whoever reports it gets what was done
             self.out.iterations, self.out.time_s = self.it, self.now()
             self.out.productive_s = self.kept.seconds()
+            self.out.ledger = self.ledger.entries()
             err.outcome = self.out
             raise
 
@@ -254,6 +298,7 @@ class RunLoop:
         self.backend.finish()
         out.iterations, out.time_s = self.it, self.now()
         out.productive_s = self.kept.seconds()
+        out.ledger = self.ledger.entries()
         out.peak_memory_bytes = self.backend.peak_memory()
         return out
 
@@ -351,9 +396,11 @@ class RunLoop:
             self.out.checkpoints += saved
             self.log({"event": "iterations", "first": self.it, "last": self.it + n - 1, "count": n,
                       "iteration_time_s": T, "checkpoints": saved, "time_s": t_end,
-                      "samples": (self.it + n) * self.ctx.global_batch, "plan": self.plan.name})
+                      "samples": self.ledger.samples() + n * plan_samples(self.plan, self.ctx.microbatch_size),
+                      "plan": self.plan.name})
             self._segment(self.it, self.it + n - 1)
             self.kept.add(self.it, n, T)  # the checkpoint stalls in t_end are not productive
+            self.ledger.add(self.it, n, plan_samples(self.plan, self.ctx.microbatch_size))
             self.it, self.t = self.it + n, t_end
             if self.progress is not None:
                 self.progress(self.it, self.now())
@@ -371,9 +418,10 @@ class RunLoop:
             self.out.losses[self.it] = math.nan if loss is None else loss
             self._segment(self.it, self.it)
             self.kept.add(self.it, 1, T if self.modelled else measured)
+            self.ledger.add(self.it, 1, plan_samples(self.plan, self.ctx.microbatch_size))
             self.it += 1
             self.log({"event": "iteration", "iteration": self.it - 1, "loss": loss, "iteration_s": measured,
-                      "time_s": self.now(), "samples": self.it * self.ctx.global_batch, "plan": self.plan.name})
+                      "time_s": self.now(), "samples": self.ledger.samples(), "plan": self.plan.name})
             if not self.modelled and self.ckpt.needs_measure(self.plan):
                 try:
                     self.ckpt.use(self.plan, self.backend.iteration_time(self.plan, self.it, measured))
@@ -637,6 +685,7 @@ class RunLoop:
         self.plan, self.it = new, restored
         self.ckpt.recovered(restored)  # the post-change checkpoint (strategy.checkpoint_after_change)
         self.kept.rollback(restored)  # iterations restored..it-1 were lost: their redo counts instead
+        self.ledger.rollback(restored)
         if out.plan_after_recovery is None and new is not old:
             out.plan_after_recovery = new
         record = {"time_s": t_event, "iteration": it, "recovery_s": seconds, "lost_iterations": it - restored,

@@ -22,7 +22,8 @@ QUICK_FILES = {
     "test_actions.py", "test_checkpoint_sim.py", "test_checkpoint_store.py", "test_checkpoint_tiers.py", "test_config.py",
     "test_costs_measured.py", "test_dist_settings.py", "test_failures.py", "test_gpt_model.py", "test_layering.py",
     "test_layers.py", "test_lint.py", "test_merged_recoveries.py", "test_oobleck_nodes.py", "test_op_times.py",
-    "test_recompute.py", "test_recycle_memory.py", "test_report.py", "test_run_folder.py", "test_schedule.py",
+    "test_recompute.py", "test_recycle_memory.py", "test_report.py", "test_run_folder.py", "test_samples_ledger.py",
+    "test_schedule.py",
     "test_scorecard.py", "test_sim_grid_timer.py", "test_sim_parts.py", "test_sim_runs.py", "test_swift_logging.py",
     "test_transport.py", "test_undo.py",
 }
