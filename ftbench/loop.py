@@ -141,25 +141,21 @@ class InFlight:
     end: float
 
 
-class KeptIterations:
-    """The time of the iterations that count, for ETTR (the run's `productive_s`): every
-    iteration index the final model holds, once, at the time its last (kept) execution took.
-
-    Runs of consecutive iterations as [first, count, seconds each]: sim adds a segment of
-    identical iterations at once, local and dist one iteration at its own time. A rollback to
-    iteration k drops every iteration from k on (they are redone and count when they are);
-    checkpoint stalls, recoveries, waits and the part of an iteration a failure cut short are
-    never added."""
+class IterationRuns:
+    """Runs of consecutive iterations the final model holds, as [first, count, value each]:
+    sim adds a segment of identical iterations at once, local and dist one at a time. A
+    rollback to iteration k drops every iteration from k on (they are redone, and count when
+    they are)."""
 
     def __init__(self):
         self.runs: list[list] = []
 
-    def add(self, first: int, count: int, seconds: float) -> None:
+    def add(self, first: int, count: int, value) -> None:
         last = self.runs[-1] if self.runs else None
-        if last is not None and last[0] + last[1] == first and last[2] == seconds:
+        if last is not None and last[0] + last[1] == first and last[2] == value:
             last[1] += count
         else:
-            self.runs.append([first, count, seconds])
+            self.runs.append([first, count, value])
 
     def rollback(self, to: int) -> None:
         """Iterations `to` and later are lost: the run continues from iteration `to`."""
@@ -167,34 +163,24 @@ class KeptIterations:
             self.runs.pop()
         if self.runs and self.runs[-1][0] + self.runs[-1][1] > to:
             self.runs[-1][1] = to - self.runs[-1][0]
+
+
+class KeptIterations(IterationRuns):
+    """The time of the iterations that count, for ETTR (the run's `productive_s`): every
+    iteration index the final model holds, once, at the time its last (kept) execution took
+    (the value of each run: seconds per iteration). Checkpoint stalls, recoveries, waits and
+    the part of an iteration a failure cut short are never added."""
 
     def seconds(self) -> float:
         return math.fsum(count * each for _, count, each in self.runs)
 
 
-class SamplesLedger:
+class SamplesLedger(IterationRuns):
     """The training-semantics ledger: how many samples counted in each iteration the final
-    model holds (each iteration once, as its kept execution trained it), as runs
-    [first, count, samples each]. A plan's samples are its pipelines' micro-batches times the
-    micro-batch size: the global batch for every strategy that keeps it; fewer where a step
-    trains without some data-parallel replicas. A rollback drops what the redo replaces."""
-
-    def __init__(self):
-        self.runs: list[list] = []
-
-    def add(self, first: int, count: int, samples: int) -> None:
-        last = self.runs[-1] if self.runs else None
-        if last is not None and last[0] + last[1] == first and last[2] == samples:
-            last[1] += count
-        else:
-            self.runs.append([first, count, samples])
-
-    def rollback(self, to: int) -> None:
-        """Iterations `to` and later are lost: the run continues from iteration `to`."""
-        while self.runs and self.runs[-1][0] >= to:
-            self.runs.pop()
-        if self.runs and self.runs[-1][0] + self.runs[-1][1] > to:
-            self.runs[-1][1] = to - self.runs[-1][0]
+    model holds (each iteration once, as its kept execution trained it; the value of each
+    run). A plan's samples are its pipelines' micro-batches times the micro-batch size: the
+    global batch for every strategy that keeps it; fewer where a step trains without some
+    data-parallel replicas."""
 
     def samples(self) -> int:
         return sum(count * each for _, count, each in self.runs)
