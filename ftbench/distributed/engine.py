@@ -229,7 +229,7 @@ class DistEngine(EngineState):
             t.all_sum(torch.zeros(1, dtype=torch.float64, device=self.device), "wait for the checkpoint files")
             self.adopt(plan)
             if source == HOST:  # this rank's parameters, from every node's host memory still there
-                loaded = self.host_memory.load(self._expected())
+                loaded = self.host_memory.load(self.expected_shapes(plan))
             else:
                 loaded = self.store.load() if self.store is not None else None
             found = torch.zeros(len(t.alive), dtype=torch.float64, device=self.device)
@@ -249,12 +249,6 @@ class DistEngine(EngineState):
         if self.worker is not None:
             load_shards(self.worker.replicas.values(), shards, self.device)
         return iteration
-
-    def _expected(self) -> dict:
-        """{parameter name: shape} of this rank's replicas (what its restore must find)."""
-        if self.worker is None:
-            return {}
-        return {n: tuple(p.shape) for r in self.worker.replicas.values() for n, p in r.named_parameters().items()}
 
     def replay(self, plan, workers, since: int, until: int, chunks: int = 1) -> None:
         """Swift's logging-based recovery (ftbench.actions.ReplayLogs), every live rank taking

@@ -223,14 +223,14 @@ class LocalEngine(EngineState):
             iteration, shards = newest_commits(commits)
         elif source == HOST:
             self.adopt(plan)
-            loaded = self.host_memory.load(self._expected(plan))
+            loaded = self.host_memory.load(self.expected_shapes(plan))
             if loaded is None:
                 raise ResultError("unrecoverable", NO_HOST_CHECKPOINT)
             iteration, shards = loaded[0], list(loaded[1].values())
         else:
             self.adopt(plan)
             # Only a checkpoint whose every parameter has the shape this model needs is usable.
-            loaded = self.store.load(expected=self._expected(plan)) if self.store is not None else None
+            loaded = self.store.load(expected=self.expected_shapes(plan)) if self.store is not None else None
             if loaded is None:
                 warnings.warn("no usable checkpoint: restarting from the initial weights (iteration 0)")
                 self.build(plan)
@@ -239,11 +239,6 @@ class LocalEngine(EngineState):
             shards = list(by_name.values())
         self._load_all(plan, shards)
         return iteration
-
-    def _expected(self, plan) -> dict:
-        """{parameter name: shape} of every replica of `plan` (what a restore must find)."""
-        return {n: tuple(p.shape) for w in plan.holds for r in self.workers[w].replicas.values()
-                for n, p in r.named_parameters().items()}
 
     def _load_all(self, plan, shards, workers=None) -> None:
         replicas = [r for w in (plan.holds if workers is None else workers) for r in self.workers[w].replicas.values()]

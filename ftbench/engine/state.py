@@ -180,6 +180,12 @@ class EngineState:
         if writer and self.host_memory is not None:
             self.host_memory.forget_newer(iteration)
 
+    def expected_shapes(self, plan) -> dict:
+        """{parameter name: shape} of this process's replicas of `plan` (adopted): what a
+        restore must find for them."""
+        return {n: tuple(p.shape) for w in self._holds(plan) if w in self.workers
+                for r in self.workers[w].replicas.values() for n, p in r.named_parameters().items()}
+
     def host_shards(self) -> tuple[dict[str, dict], dict[str, int]]:
         """This process's part of a HOST checkpoint: every live replica of the plan as a shard
         named after its worker, and the node each shard's worker runs on."""
