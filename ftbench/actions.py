@@ -206,4 +206,8 @@ class Recovery:
     # Membership requests; the run loop applies them (it is the only writer of membership).
     replace: tuple[int, ...] = ()  # failed nodes that get a replacement (a standby, else a new node)
     standby: tuple[int, ...] = ()  # returning nodes that wait as standbys
+    # Failed nodes that get a replacement while training goes on without them (torchft): a
+    # standby while any is left, else a new node after `cluster.replacement_s`; either way its
+    # processes start (`hardware.restart_s`) and it joins then, as a join event of the node.
+    later: tuple[int, ...] = ()
     shape: tuple[int, int] | None = None  # the job's new (pp, dp)

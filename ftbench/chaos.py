@@ -286,10 +286,30 @@ def _execute(overrides: list[str], run_dir: Path, timeout_s: float | None) -> di
 _REFERENCES: dict[tuple[str, ...], tuple] = {}  # setup -> (losses, state) or an error string
 
 
-def reference_for(case: Case, workdir: Path, timeout_s: float | None = None):
-    """Fault-free training of the case's setup, run once per setup in this process."""
+def _replayed_reference(case: Case, ledger) -> tuple | None:
+    """(losses, state) of the case's fault-free training replayed under `ledger`; None where
+    the ledger trained every iteration's global batch (the usual reference then)."""
+    from ftbench.cli import compose
+    from ftbench.context import RunContext
+    from ftbench.fault_free import fault_free_reference
+    from ftbench.samples import replayed
+
+    cfg = compose(case.reference_overrides)
+    ctx = RunContext.from_config(cfg)
+    replay = replayed(ledger, ctx.global_batch)
+    return None if replay is None else fault_free_reference(cfg, ctx, replay=replay)
+
+
+def reference_for(case: Case, workdir: Path, timeout_s: float | None = None, ledger=None):
+    """Fault-free training of the case's setup, run once per setup in this process; where the
+    run's `ledger` dropped samples (torchft), the same training replayed under it
+    (ftbench.fault_free), in this process."""
     from ftbench.equivalence import load_state
 
+    if ledger:
+        replayed = _replayed_reference(case, ledger)
+        if replayed is not None:
+            return replayed
     if case.setup not in _REFERENCES:
         run_dir = Path(tempfile.mkdtemp(prefix="reference-", dir=workdir))
         try:
@@ -314,7 +334,7 @@ def run_case(case: Case, workdir: Path | str | None = None, timeout_s: float | N
         summary = _execute(case.overrides, run_dir, timeout_s)
         reference = None
         if case.backend != "sim" and summary.get("status") == "ok":
-            reference = reference_for(case, workdir, timeout_s)
+            reference = reference_for(case, workdir, timeout_s, summary.get("ledger"))
             if isinstance(reference, str):
                 return Result(case, "crashed", "ok", reference, summary.get("failures"),
                               time.perf_counter() - started)

@@ -1,7 +1,9 @@
 """The equivalence check: a run under failures must train the model fault-free training trains.
 
-No strategy here changes the global batch, so per-iteration losses and final weights must
-agree with fault-free training of the same setup. How closely depends on the dtype:
+Per-iteration losses and final weights must agree with fault-free training of the same setup
+replayed under the run's samples ledger (ftbench.samples): the same samples in each iteration,
+which is the global batch for every strategy that keeps it (torchft's steps without a replica
+group train fewer). How closely depends on the dtype:
 
 - float64 (and wherever no noise floor is given): losses to rtol 1e-5 and weights to
   `torch.testing.assert_close`'s float tolerance, as always.

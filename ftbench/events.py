@@ -19,10 +19,15 @@
   boundary, scripted ones "at iteration k" before iteration k starts, timed ones at the
   first boundary at or after their time.
 - Events at the same point are handled one at a time, in the order the script gives them.
+- A replacement a recovery asked for while training goes on without it (`Recovery.later`:
+  torchft's replica group on a new node) is a timed join the run loop adds (`EventQueue.add`),
+  after the script's events of the same time.
 """
 from __future__ import annotations
 
+import heapq
 import math
+from itertools import count
 
 from ftbench.failures import FailureEvent, FailureScript
 
@@ -35,6 +40,8 @@ class EventQueue:
         self.by_iteration = list(script.by_iteration)
         self._timed = iter(script.by_time)
         self._next_timed = next(self._timed, None)
+        self._added: list[tuple[float, int, FailureEvent]] = []  # (time, order, event): the loop's own
+        self._order = count()
 
     # -- peeking ------------------------------------------------------------------------
     def next_iteration(self) -> int | None:
@@ -46,15 +53,27 @@ class EventQueue:
 
     def next_time(self) -> float:
         """When the next timed event happens; inf when none is left."""
-        return self._next_timed.time_s if self._next_timed is not None else math.inf
+        event = self.peek_timed()
+        return event.time_s if event is not None else math.inf
 
     def peek_timed(self) -> FailureEvent | None:
-        return self._next_timed
+        scripted, added = self._next_timed, self._added[0][2] if self._added else None
+        if added is None or (scripted is not None and scripted.time_s <= added.time_s):
+            return scripted
+        return added
 
     # -- taking -------------------------------------------------------------------------
     def pop_scripted(self) -> FailureEvent:
         return self.by_iteration.pop(0)
 
     def pop_timed(self) -> FailureEvent:
-        event, self._next_timed = self._next_timed, next(self._timed, None)
+        event = self.peek_timed()
+        if event is self._next_timed:
+            self._next_timed = next(self._timed, None)
+        else:
+            heapq.heappop(self._added)
         return event
+
+    def add(self, event: FailureEvent) -> None:
+        """A timed event the run itself brings (a replacement that joins later)."""
+        heapq.heappush(self._added, (event.time_s, next(self._order), event))

@@ -25,6 +25,7 @@ from ftbench.errors import ResultError
 from ftbench.failures import FailureScript
 from ftbench.job import Progress
 from ftbench.loop import run_loop
+from ftbench.samples import replayed
 from ftbench.sim.cache import SimCache
 from ftbench.strategies.none import NoFaultTolerance
 from ftbench.threads import configure as configure_threads
@@ -38,40 +39,42 @@ _REFERENCES: dict[str, tuple[list[float], dict]] | None = None
 _NOT_REFERENCE = ("failures", "report", "wandb", "hydra")
 
 
-def check(cfg, ctx, losses: list[float], state: dict, progress: bool = False) -> dict:
+def check(cfg, ctx, losses: list[float], state: dict, progress: bool = False, ledger=None) -> dict:
     """The summary's equivalence keys (`ftbench.equivalence.summary_fields`) for a run that
-    trained `losses` and final weights `state`, and the reference's losses
+    trained `losses` and final weights `state` under `ledger` (its summary's: fault-free
+    training is replayed under it where it dropped samples), and the reference's losses
     (`fault_free_losses`, drawn beside the run's in loss.png)."""
-    ref_losses, ref_state = reference(cfg, ctx, progress=progress)
+    replay = replayed(ledger, ctx.global_batch)
+    ref_losses, ref_state = reference(cfg, ctx, progress=progress, replay=replay)
     floor = None
     if cfg.backend.dtype == "float32" and not identical(losses, state, ref_losses, ref_state):
-        floor = float32_floor(cfg, ctx, ref_losses, ref_state, progress)
+        floor = float32_floor(cfg, ctx, ref_losses, ref_state, progress, replay=replay)
     return {**summary_fields(losses, state, ref_losses, ref_state, floor), "fault_free_losses": list(ref_losses)}
 
 
-def reference(cfg, ctx, progress: bool = False) -> tuple[list[float], dict]:
+def reference(cfg, ctx, progress: bool = False, replay=None) -> tuple[list[float], dict]:
     """Losses and final weights of fault-free training of this run's setup
-    (`fault_free_reference`); with references kept (`_REFERENCES`), trained once
-    per setup and strategy in this process, and a copy returned."""
+    (`fault_free_reference`, under `replay`); with references kept (`_REFERENCES`), trained once
+    per setup, strategy and replayed ledger in this process, and a copy returned."""
 
-    key = _setup_key(cfg, _NOT_REFERENCE) if _REFERENCES is not None else None
+    key = _setup_key(cfg, _NOT_REFERENCE, replay) if _REFERENCES is not None else None
     if key is None:
-        return fault_free_reference(cfg, ctx, progress=progress)
+        return fault_free_reference(cfg, ctx, progress=progress, replay=replay)
     if key not in _REFERENCES:
-        _REFERENCES[key] = fault_free_reference(cfg, ctx, progress=progress)
+        _REFERENCES[key] = fault_free_reference(cfg, ctx, progress=progress, replay=replay)
     losses, state = _REFERENCES[key]
     return list(losses), {name: tensor.clone() for name, tensor in state.items()}
 
 
-def float32_floor(cfg, ctx, ref_losses, ref_state, progress: bool = False) -> NoiseFloor | None:
-    """The noise floor of float32 fault-free training (`ref_*`) of this setup, measured
-    against the same training in float64; None when float64 training would not fit in this
-    machine's memory (the check then falls back to float tolerance)."""
+def float32_floor(cfg, ctx, ref_losses, ref_state, progress: bool = False, replay=None) -> NoiseFloor | None:
+    """The noise floor of float32 fault-free training (`ref_*`) of this setup under `replay`,
+    measured against the same training in float64; None when float64 training would not fit
+    in this machine's memory (the check then falls back to float tolerance)."""
     from omegaconf import OmegaConf
 
     from ftbench.engine.local import check_fits_host
 
-    key = _setup_key(cfg)
+    key = _setup_key(cfg, _NOT_SETUP, replay)
     if key is not None and key in _FLOORS:
         return _FLOORS[key]
     try:
@@ -79,14 +82,15 @@ def float32_floor(cfg, ctx, ref_losses, ref_state, progress: bool = False) -> No
     except ResultError:
         return None
     exact = OmegaConf.merge(cfg, {"backend": {"dtype": "float64"}})
-    floor = noise_floor(ref_losses, ref_state, *fault_free_reference(exact, ctx, progress=progress))
+    floor = noise_floor(ref_losses, ref_state, *fault_free_reference(exact, ctx, progress=progress, replay=replay))
     if key is not None:
         _FLOORS[key] = floor
     return floor
 
 
-def _setup_key(cfg, left_out: tuple[str, ...] = _NOT_SETUP) -> str | None:
-    """The settings fault-free training depends on, as text (None: not comparable)."""
+def _setup_key(cfg, left_out: tuple[str, ...] = _NOT_SETUP, replay=None) -> str | None:
+    """The settings fault-free training depends on, and the ledger it replays, as text (None:
+    not comparable)."""
     from omegaconf import OmegaConf
 
     try:
@@ -94,17 +98,23 @@ def _setup_key(cfg, left_out: tuple[str, ...] = _NOT_SETUP) -> str | None:
     except Exception:  # noqa: BLE001 an unresolvable config is measured, not cached
         return None
     kept = {k: v for k, v in resolved.items() if k not in left_out}
+    if replay is not None:
+        kept["replayed ledger"] = sorted(replay.items())
     return json.dumps(kept, sort_keys=True, default=str)
 
 
-def fault_free_reference(cfg, ctx, progress: bool = False) -> tuple[list[float], dict]:
-    """Losses and final weights of the same training with no failures and no fault tolerance."""
+def fault_free_reference(cfg, ctx, progress: bool = False, replay=None) -> tuple[list[float], dict]:
+    """Losses and final weights of the same training with no failures and no fault tolerance;
+    with `replay` ({iteration: sample ranges}, ftbench.samples.replayed), each of those
+    iterations trains only those samples, their mean loss (the run's ledger replayed: the
+    other micro-batches run and count 0, their exact-zero gradients changing no sum)."""
     configure_threads(cfg.backend, ctx.spec)  # the same count as the run it checks
     from ftbench.engine.backend import LocalBackend
 
     strategy = NoFaultTolerance(cfg.strategy, ctx)
     cluster = Cluster.from_config(cfg.cluster)
     engine = local_engine(cfg, ctx, strategy, None)
+    engine.replayed = replay
     with Progress(ctx, progress, "fault-free check") as bar:
         outcome = run_loop(ctx, strategy, cluster, FailureScript([], iter(())), LocalBackend(engine),
                            SimCache(ctx.cost_model), lambda record: None, bar)

@@ -89,7 +89,7 @@ def totals(outcome, global_batch: int) -> dict:
     not train (0 for a strategy that keeps the global batch)."""
     ledger = getattr(outcome, "ledger", None)
     full = outcome.iterations * global_batch
-    samples = sum((last - first + 1) * each for first, last, each in ledger) if ledger else full
+    samples = sum((entry[1] - entry[0] + 1) * entry[2] for entry in ledger) if ledger else full
     segments = outcome.plan_segments
     return {"iterations": outcome.iterations, "samples": samples, "samples_dropped": full - samples,
             "ledger": ledger or [], "time_s": outcome.time_s,

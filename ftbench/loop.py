@@ -37,6 +37,7 @@ from ftbench.journal import Journal, JournaledBackend
 from ftbench.outcome import RunOutcome
 from ftbench.plan import Plan, checkpoint_writers
 from ftbench.recovery_costs import SaveCost, action_seconds
+from ftbench.samples import IterationRuns, SamplesLedger, plan_samples, sample_ranges
 from ftbench.schedule import OPT
 from ftbench.sim.simulator import SimResult, ops_completed_at
 from ftbench.transfers import copy_sizes
@@ -124,7 +125,7 @@ class LoopOutcome(RunOutcome):
     losses: list[float] = field(default_factory=list)  # per iteration; nan where none was computed
     checkpoints: int = 0
     plan_segments: list[dict] = field(default_factory=list)  # {first, last, plan, shape} runs of iterations
-    ledger: list[list[int]] = field(default_factory=list)  # [first, last, samples each]: SamplesLedger.entries
+    ledger: list[list] = field(default_factory=list)  # [first, last, samples each, ranges]: SamplesLedger.entries
     peak_memory_bytes: dict[int, float] = field(default_factory=dict)
     first_timeline: SimResult | None = None
     plan_after_recovery: Plan | None = None  # the plan after the first recovery that changed it
@@ -141,30 +142,6 @@ class InFlight:
     end: float
 
 
-class IterationRuns:
-    """Runs of consecutive iterations the final model holds, as [first, count, value each]:
-    sim adds a segment of identical iterations at once, local and dist one at a time. A
-    rollback to iteration k drops every iteration from k on (they are redone, and count when
-    they are)."""
-
-    def __init__(self):
-        self.runs: list[list] = []
-
-    def add(self, first: int, count: int, value) -> None:
-        last = self.runs[-1] if self.runs else None
-        if last is not None and last[0] + last[1] == first and last[2] == value:
-            last[1] += count
-        else:
-            self.runs.append([first, count, value])
-
-    def rollback(self, to: int) -> None:
-        """Iterations `to` and later are lost: the run continues from iteration `to`."""
-        while self.runs and self.runs[-1][0] >= to:
-            self.runs.pop()
-        if self.runs and self.runs[-1][0] + self.runs[-1][1] > to:
-            self.runs[-1][1] = to - self.runs[-1][0]
-
-
 class KeptIterations(IterationRuns):
     """The time of the iterations that count, for ETTR (the run's `productive_s`): every
     iteration index the final model holds, once, at the time its last (kept) execution took
@@ -173,30 +150,6 @@ class KeptIterations(IterationRuns):
 
     def seconds(self) -> float:
         return math.fsum(count * each for _, count, each in self.runs)
-
-
-class SamplesLedger(IterationRuns):
-    """The training-semantics ledger: how many samples counted in each iteration the final
-    model holds (each iteration once, as its kept execution trained it; the value of each
-    run). A plan's samples are its pipelines' micro-batches times the micro-batch size: the
-    global batch for every strategy that keeps it; fewer where a step trains without some
-    data-parallel replicas."""
-
-    def samples(self) -> int:
-        return sum(count * each for _, count, each in self.runs)
-
-    def entries(self) -> list[list[int]]:
-        """[first, last, samples each] per run of iterations."""
-        return [[first, first + count - 1, each] for first, count, each in self.runs]
-
-
-def plan_samples(plan, microbatch_size: int) -> int:
-    """The samples one iteration of `plan` trains: its pipelines' micro-batches, each of
-    `microbatch_size` samples (memoised on the plan: 2,048 pipelines at scale)."""
-    memo = plan.__dict__.get("_samples_memo")
-    if memo is None or memo[0] != microbatch_size:
-        memo = plan.__dict__["_samples_memo"] = (microbatch_size, sum(plan.schedule.microbatches) * microbatch_size)
-    return memo[1]
 
 
 class RunLoop:
@@ -386,7 +339,7 @@ class RunLoop:
                       "plan": self.plan.name})
             self._segment(self.it, self.it + n - 1)
             self.kept.add(self.it, n, T)  # the checkpoint stalls in t_end are not productive
-            self.ledger.add(self.it, n, plan_samples(self.plan, self.ctx.microbatch_size))
+            self.ledger.add(self.it, n, sample_ranges(self.plan, self.ctx.microbatch_size))
             self.it, self.t = self.it + n, t_end
             if self.progress is not None:
                 self.progress(self.it, self.now())
@@ -404,7 +357,7 @@ class RunLoop:
             self.out.losses[self.it] = math.nan if loss is None else loss
             self._segment(self.it, self.it)
             self.kept.add(self.it, 1, T if self.modelled else measured)
-            self.ledger.add(self.it, 1, plan_samples(self.plan, self.ctx.microbatch_size))
+            self.ledger.add(self.it, 1, sample_ranges(self.plan, self.ctx.microbatch_size))
             self.it += 1
             self.log({"event": "iteration", "iteration": self.it - 1, "loss": loss, "iteration_s": measured,
                       "time_s": self.now(), "samples": self.ledger.samples(), "plan": self.plan.name})
@@ -629,6 +582,7 @@ class RunLoop:
         if recovery.replace:
             actions.insert(leading_saves(actions), self._replace(recovery.replace))
         cluster.spares += len(recovery.standby)
+        self._replace_later(recovery.later)
         if recovery.shape is not None:
             cluster.pp, cluster.dp = recovery.shape
         old, new = self.plan, recovery.plan or self.plan
@@ -806,6 +760,21 @@ class RunLoop:
         if hit is None or hit[0] is not plan:
             hit = self._writers_of = (plan, frozenset(plan.node_of[w] for w in checkpoint_writers(plan).values()))
         return hit[1]
+
+    def _replace_later(self, nodes: tuple[int, ...]) -> None:
+        """Failed nodes get replacements while training goes on without them (Recovery.later):
+        a standby while any is left, else a new node after `cluster.replacement_s`; its
+        processes start (`hardware.restart_s`) and it joins then, timed from now, as the
+        failed node's join."""
+        start_s = getattr(self.ctx.hardware, "restart_s", 0.0)
+        for node in nodes:
+            if self.cluster.spares > 0:
+                self.cluster.spares -= 1
+                wait = 0.0
+            else:
+                wait = self.cluster.replacement_s
+            self.events.add(FailureEvent(node, "join", time_s=self.now() + wait + start_s))
+            self.log({"event": "replacement", "node": node, "time_s": self.now(), "joins_s": wait + start_s})
 
     def _replace(self, nodes: tuple[int, ...]) -> WaitForReplacement:
         """Failed nodes get replacements: a standby at once while any is left, else a new

@@ -101,6 +101,10 @@ class Plan:
     # held (and kept in step) all the same, but the device's memory does not count them
     # (Bamboo's lazy copy of the next stage; ftbench.costs.PlanCosts.static_bytes).
     host: frozenset = frozenset()
+    # Per pipeline, its first micro-batch in the iteration's sample numbering (ftbench.samples);
+    # None: consecutive, pipeline by pipeline. Replica groups that go on while others are out
+    # (torchft) keep their own samples.
+    sample_offsets: tuple[int, ...] | None = None
     # SameTiming: a plan that times out exactly as this one, worker for worker renamed (ReCycle's
     # plans renamed onto the real workers); the simulator's cache times that one once instead
     same_timing: object = field(default=None, repr=False, compare=False)
@@ -165,13 +169,13 @@ class Plan:
                     holds={to[w]: h for w, h in self.holds.items()},
                     node_of={to[w]: node_of(to[w]) for w in old}, name=self.name,
                     staggered_optimizer=self.staggered_optimizer, logged=self.logged,
-                    host=frozenset((to[w], d, s) for w, d, s in self.host))
+                    host=frozenset((to[w], d, s) for w, d, s in self.host), sample_offsets=self.sample_offsets)
 
     def with_logging(self, logged) -> "Plan":
         """The same plan with these boundaries logged (its grid layout kept: the same objects)."""
         plan = Plan(schedule=self.schedule, partition=self.partition, holds=self.holds, node_of=self.node_of,
                     name=self.name, staggered_optimizer=self.staggered_optimizer, logged=frozenset(logged),
-                    host=self.host)
+                    host=self.host, sample_offsets=self.sample_offsets)
         plan._grid = self._grid
         return plan
 

@@ -64,6 +64,9 @@ class Strategy:
     # With a checkpoint mode: iterations between checkpoints, or None when tuned
     # (checkpoint_interval); dist's fault injection reads it to strike inside a save.
     every: int | None = None
+    # Whether every step trains the whole global batch. False: a step may go on without some
+    # replicas' samples (torchft), which the samples ledger records (ftbench.samples).
+    keeps_global_batch: ClassVar[bool] = True
     # A folder inside the run folder where the strategy's own files go (Swift's boundary logs),
     # or None.
     log_dir: str | None = None

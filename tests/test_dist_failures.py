@@ -158,6 +158,9 @@ def test_a_seeded_random_kill(tmp_path, strategy):
     pytest.param("varuna", "changes during recovery", marks=pytest.mark.full),
     # node 3's state from its group peer's host memory (node 2), kept across the restart
     pytest.param("gemini", [dict(iteration=3, node=3)], marks=pytest.mark.full),
+    # group 1 out for two iterations, back on the standby's processes, healed from group 0
+    pytest.param("torchft", [dict(iteration=3, node=3), dict(iteration=5, node=3, kind="join")],
+                 marks=pytest.mark.full),
 ])
 def test_dist_agrees_with_sim(tmp_path, strategy, events):
     """The conformance check (tests/test_conformance.py) with dist in it: on the modelled clock
@@ -381,3 +384,21 @@ def test_gemini_reloads_host_memory_kept_across_the_restart_after_a_real_kill(tm
     assert (recovery["restored_iteration"], recovery["lost_iterations"]) == (3, 0)
     assert sorted((c["src"], c["dst"]) for c in recovery["copies"]) == [(0, 2), (0, 3)]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter_00000000", "iter_00000004"]
+
+
+def test_torchft_goes_on_without_the_failed_group_after_a_real_kill(tmp_path):
+    """torchft: node 1 (ranks 2 and 3: replica group 1) is killed in iteration 3; the survivors
+    agree on a quorum without it in their own processes and redo the step without its samples.
+    It comes back in iteration 5 on the standby's processes and heals from group 0's replicas.
+    Training equals fault-free training replayed under the run's ledger."""
+    summary, lines = run_dist(tmp_path, "strategy=torchft", "cluster.gpus_per_node=2", "cluster.spares=1",
+                              "failures.events=[{iteration:3,node:1},{iteration:5,node:1,kind:join}]")
+    assert [(r["node"], r["iteration"]) for r in lines if r["event"] == "fail"] == [(1, 3)]
+    assert [r["iteration"] for r in lines if r["event"] == "iteration"] == list(range(6))
+    fail, join = summary["measured_recoveries"]
+    assert fail["dead_ranks"] == [2, 3] and fail["actions"] == ["Rendezvous"]
+    assert "processes_ended" not in fail and not (tmp_path / "restart").exists()  # nothing restarted
+    assert join["actions"] == ["Rendezvous", "SyncFromPeers"] and join["state_transfer_s"] > 0
+    half = summary["global_batch"] // 2
+    assert summary["ledger"][1] == [3, 4, half, [[0, half]]] and summary["samples_dropped"] == 2 * half
+    assert summary["matches_fault_free"] is True

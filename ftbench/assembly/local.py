@@ -44,7 +44,8 @@ def run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: st
         result["final_state"] = str(save_pretrained(state, ctx.spec, run_dir / "final_model"))
         if cfg.report.check_fault_free and strategy.name != "none":
             try:  # float32: against a measured noise floor (ftbench/fault_free.py)
-                result.update(check_fault_free(cfg, ctx, outcome.losses, state, progress=cfg.report.progress))
+                result.update(check_fault_free(cfg, ctx, outcome.losses, state, progress=cfg.report.progress,
+                                               ledger=result["ledger"]))
             except BaseException as err:  # Ctrl-C during the check: the summary is the run's, not the check's
                 err.outcome = outcome
                 raise

@@ -136,7 +136,8 @@ class DistEngine(EngineState):
         late = []
         if completed is not None:
             steps, late = self._cut_steps(steps, completed, opt_syncs)
-        tokens, normaliser = self.tokens(plan, iteration), self.normaliser
+        tokens = self.samples(plan, iteration)
+        normaliser = tokens.normaliser
         world = self.transport.world
         vector = torch.zeros(len(slots) + 2 * world, dtype=torch.float64, device=self.device)
         if self.worker is not None:
@@ -340,8 +341,8 @@ class DistEngine(EngineState):
         _, _, members, _ = self._plan_steps(plan)
         transport = ReplayTransport(self.transport, self.boundary_log, workers, iteration)
         extra = {} if self.recompute == "none" else {"recompute": self.recompute}
-        executor = WorkerExecutor(self.worker, transport, plan, self.tokens(plan, iteration), self.normaliser,
-                                  **extra)
+        samples = self.samples(plan, iteration)
+        executor = WorkerExecutor(self.worker, transport, plan, samples, samples.normaliser, **extra)
 
         def run(step) -> None:
             if step[0] == "start":

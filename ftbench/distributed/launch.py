@@ -233,7 +233,7 @@ def _check_fault_free(cfg, ctx, result: dict, log) -> None:
     finally:
         if shown:
             hf_logging.enable_progress_bar()
-    result.update(check(cfg, ctx, result["losses"], state))
+    result.update(check(cfg, ctx, result["losses"], state, ledger=result.get("ledger")))
     difference = result["fault_free_difference"]
     log({"event": "equivalence", "matches_fault_free": difference is None, "difference": difference,
          "difference_max": result["fault_free_difference_max"], "noise_floor": result["fault_free_noise_floor"]})

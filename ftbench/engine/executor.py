@@ -69,10 +69,19 @@ class WorkerExecutor:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.worker, self.transport, self.plan = worker, transport, plan
         self.tokens, self.normaliser = tokens, normaliser
+        # micro-batches whose loss counts 0: fault-free training replayed under a ledger that
+        # dropped them (ftbench.engine.state.IterationSamples)
+        self.dropped = getattr(tokens, "dropped", frozenset())
         self.recompute = recompute == "full"
         self._batches: dict = {}
         self._redundant_inputs: dict = {}  # (pipeline, micro-batch) -> own output, for RF
         self._n_layers = model_layers(plan.partition)
+
+    def _loss(self, y: torch.Tensor, targets: torch.Tensor, key) -> torch.Tensor:
+        """A last stage's share of the iteration's mean loss; 0 (its gradients exactly 0, so
+        a sum that includes them is the sum without them) for a micro-batch that does not count."""
+        out = lm_loss_sum(y, targets) / self.normaliser
+        return out * 0.0 if key in self.dropped else out
 
     def replica(self, pipeline: int, stage: int) -> StageReplica:
         return self.worker.replica(self.plan.layers(pipeline, stage))
@@ -123,7 +132,7 @@ class WorkerExecutor:
             saved = _SavedBytes()
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 y = replica.module(x.detach().requires_grad_() if op.stage > 0 else x)
-                out = lm_loss_sum(y, self.tokens(*key)) / self.normaliser if last else y
+                out = self._loss(y, self.tokens(*key), key) if last else y
             replica.stash[("redundant",) + key] = (x, out, saved.bytes)
         self._note_activations()
 
@@ -186,7 +195,7 @@ class WorkerExecutor:
             # Keep only the input (and the targets): the backward rebuilds the rest.
             with torch.no_grad():
                 y = replica.module(x)
-                out = lm_loss_sum(y, self._batches[key]) / self.normaliser if last else y
+                out = self._loss(y, self._batches[key], key) if last else y
             x = x.detach()
             replica.stash[key] = (x, self._batches[key] if last else None, x.numel() * x.element_size())
         else:
@@ -195,7 +204,7 @@ class WorkerExecutor:
             saved = _SavedBytes()
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 y = replica.module(x)
-                out = lm_loss_sum(y, self._batches[key]) / self.normaliser if last else y
+                out = self._loss(y, self._batches[key], key) if last else y
             replica.stash[key] = (x, out, saved.bytes)
         self._note_activations()
         if last:
@@ -219,7 +228,7 @@ class WorkerExecutor:
         saved = _SavedBytes()
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             y = replica.module(x)
-            out = lm_loss_sum(y, targets) / self.normaliser if targets is not None else y
+            out = self._loss(y, targets, key) if targets is not None else y
         self._note_activations(saved.bytes)  # the rebuilt activations live until this backward ends
         return x, out
 

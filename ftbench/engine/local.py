@@ -94,8 +94,8 @@ class LocalEngine(EngineState):
         if works:
             transport = performing(works, self.executor.transport, log, iteration)
         timer = self.op_timer.begin(self.plan, iteration) if completed is None else None
-        result = self.executor.run(self.plan, self.tokens(self.plan, iteration), self.normaliser, completed, transport,
-                                   timer)
+        samples = self.samples(self.plan, iteration)
+        result = self.executor.run(self.plan, samples, samples.normaliser, completed, transport, timer)
         self._track_memory()  # with the steps' undo records, which live until the iteration completes
         if result.complete:
             if timer is not None:
@@ -136,8 +136,8 @@ class LocalEngine(EngineState):
         try:
             for iteration in range(since, until):
                 transport = ReplayTransport(self.executor.transport, self.boundary_log, workers, iteration)
-                self.executor.replay(self.plan, self.tokens(self.plan, iteration), self.normaliser, workers, transport,
-                                     chunks)
+                samples = self.samples(self.plan, iteration)
+                self.executor.replay(self.plan, samples, samples.normaliser, workers, transport, chunks)
                 self._track_memory()
                 self._commit_steps()
         except LogInvalid as bad:  # changed on storage since it was checked: the replayed state is no good

@@ -32,6 +32,7 @@ from ftbench.engine.worker import StageReplica, Worker
 from ftbench.errors import ResultError
 from ftbench.models.data import batch
 from ftbench.models.gpt import build_stage
+from ftbench.samples import count, counted, pipeline_offsets, sample_ranges
 
 
 class EngineState:
@@ -53,6 +54,9 @@ class EngineState:
         # the HOST tier's host memory, outside the processes (ftbench.engine.host_memory): the
         # run's assembly sets it for a strategy that keeps one (gemini)
         self.host_memory = None
+        # {iteration: sample ranges}: fault-free training replayed under a run's ledger
+        # (ftbench.samples.replayed; ftbench.fault_free), None otherwise
+        self.replayed = None
         self.workers: dict[int, Worker] = {}  # the workers this process runs
         self.plan = None
         self.undone = 0  # optimizer steps undone over the run (abandoned iterations), every replica of the job
@@ -103,25 +107,21 @@ class EngineState:
         return [r for worker in self.workers.values() if worker.alive for r in worker.replicas.values()]
 
     # -- an iteration ---------------------------------------------------------------------------
-    def tokens(self, plan, iteration: int):
-        """tokens(pipeline, microbatch) of `iteration` under `plan` (on this engine's device)."""
-        schedule = plan.schedule
-        offsets = [sum(schedule.microbatches[:p]) for p in range(len(schedule.microbatches))]
+    def samples(self, plan, iteration: int) -> "IterationSamples":
+        """The samples of `iteration` under `plan`: tokens(pipeline, microbatch) on this
+        engine's device, the loss's normaliser, and (replaying a ledger) the micro-batches
+        that do not count."""
         b = self.ctx.microbatch_size
-        device = self.device
-
-        def tokens(pipeline: int, microbatch: int) -> torch.Tensor:
-            # The samples of iteration i are fixed by (seed, i): micro-batch k of pipeline p holds
-            # global samples (offset_p + k) * b ... + b - 1, whoever computes them.
-            first = (offsets[pipeline] + microbatch) * b
-            samples = batch(self.data, iteration, range(first, first + b))
-            return samples if device is None else samples.to(device)
-        return tokens
-
-    @property
-    def normaliser(self) -> float:
-        """What the summed token losses are divided by: the global batch's mean loss."""
-        return float(self.ctx.global_batch * (self.ctx.seq_len - 1))
+        offsets = pipeline_offsets(plan)
+        ranges = self.replayed.get(iteration) if self.replayed is not None else None
+        dropped = frozenset()
+        if ranges is None:
+            ranges = sample_ranges(plan, b)
+        else:  # fault-free training replayed under a ledger: what it did not train contributes 0
+            dropped = frozenset((p, k) for p, (o, n) in enumerate(zip(offsets, plan.schedule.microbatches))
+                                for k in range(n) if not counted(ranges, (o + k) * b, (o + k + 1) * b))
+        return IterationSamples(self.data, iteration, offsets, b, self.device,
+                                float(count(ranges) * (self.ctx.seq_len - 1)), dropped)
 
     def _commit_steps(self) -> None:
         """The iteration's optimizer steps can no longer be abandoned: drop their undo records."""
@@ -259,3 +259,20 @@ def load_shards(replicas, shards, device=None) -> None:
         except KeyError as missing:
             raise ResultError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
                               "replica: every copy of it was lost") from None
+
+
+class IterationSamples:
+    """The samples of one iteration under a plan: called as tokens(pipeline, microbatch), the
+    input ids of that micro-batch (micro-batch k of pipeline p holds the iteration's samples
+    (offset_p + k) * b ... + b - 1, fixed by (seed, iteration) whoever computes them);
+    `normaliser`, what the summed token losses are divided by (the mean over the samples that
+    count); `dropped`, the (pipeline, microbatch) whose loss counts 0 (a replayed ledger)."""
+
+    def __init__(self, data, iteration: int, offsets, b: int, device, normaliser: float, dropped: frozenset):
+        self.data, self.iteration, self.offsets, self.b, self.device = data, iteration, offsets, b, device
+        self.normaliser, self.dropped = normaliser, dropped
+
+    def __call__(self, pipeline: int, microbatch: int) -> torch.Tensor:
+        first = (self.offsets[pipeline] + microbatch) * self.b
+        ids = batch(self.data, self.iteration, range(first, first + self.b))
+        return ids if self.device is None else ids.to(self.device)
