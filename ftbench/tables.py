@@ -112,6 +112,8 @@ def aggregate(spec: dict, cells: list[dict]) -> list[dict]:
             ettrs = [r["ettr"] for r in ok if isinstance(r.get("ettr"), (int, float))]
             record["ettr"], record["ettr_ci95"] = interval95(ettrs) if ettrs else (None, None)
             record["failures"] = statistics.fmean(r.get("failures", 0) for r in ok)
+            # the share of the trained samples' steps' global batches that were dropped (torchft)
+            record["dropped"] = statistics.fmean(_dropped_share(r) for r in ok)
             record["efficiency"] = ok[0].get("efficiency")
         peaks = [p for p in (peak_memory_max(r) for r in runs) if p]
         record["peak_memory_gb"] = max(peaks) / 1e9 if peaks else None
@@ -184,6 +186,18 @@ def markdown(spec: dict, records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _dropped_share(summary: dict) -> float:
+    """samples_dropped over the global batches of the kept iterations (0: none dropped)."""
+    dropped = summary.get("samples_dropped") or 0
+    whole = (summary.get("samples") or 0) + dropped
+    return dropped / whole if whole else 0.0
+
+
+def _dropped_text(record: dict) -> str:
+    share = record.get("dropped")
+    return "" if not share else f"{100 * share:.2g} %"
+
+
 def _throughput_and_ettr(record: dict | None) -> str:
     """A cell of a table with no published values: 'throughput ± ci · ETTR ± ci %', or the status."""
     if record is None:
@@ -191,22 +205,24 @@ def _throughput_and_ettr(record: dict | None) -> str:
     if record["status"] != "ok":
         return record["status"].upper() if record["status"] == "oom" else record["status"]
     ours = f"{record['throughput']:,.0f}" + (f" ± {record['ci95']:,.0f}" if record.get("ci95") else "")
-    return f"{ours} · {_ettr_text(record)}"
+    dropped = _dropped_text(record)
+    return f"{ours} · {_ettr_text(record)}" + (f" · {dropped} of the samples dropped" if dropped else "")
 
 
 def _checks_markdown(spec: dict, records: list[dict], scored: bool = True) -> list[str]:
     labels = _model_names(spec)
     lines = markdown_lines(spec, score(spec, records), labels) + [""] if scored else []
     lines += ["## Per cell", "",
-              "Peak memory: the largest worker's, GB. ETTR: time on iterations that count / run time. "
+              "Peak memory: the largest worker's, GB. ETTR: time on iterations that count / run time. Samples "
+              "dropped: the share of the kept iterations' global batches their steps did not train (torchft). "
               "Efficiency: the model's `hardware.efficiency`" + (" (fitted, listed above)." if scored else "."), "",
-              "| model | system | column | seeds | status | throughput | ±95 % | paper | ratio | ETTR | failures | "
-              "peak memory (GB) | efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| model | system | column | seeds | status | throughput | ±95 % | paper | ratio | ETTR | samples dropped | "
+              "failures | peak memory (GB) | efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=_record_order(spec)):
         paper = r["paper"] if r["paper"] is not None else ""
         lines.append(f"| {labels.get(r['model'], r['model'])} | {r['system']} | {r['column']} | {r['seeds']} | "
                      f"{r['status']} | {_num(r.get('throughput'))} | {_num(r.get('ci95'))} | {paper} | "
-                     f"{_num(r.get('ratio'))} | {_ettr_text(r)} | "
+                     f"{_num(r.get('ratio'))} | {_ettr_text(r)} | {_dropped_text(r)} | "
                      f"{_num(r.get('failures'), 1)} | {_num(r.get('peak_memory_gb'), 1)} | "
                      f"{_num(r.get('efficiency'), 4)} |")
     errors = [r for r in records if r.get("error")]
@@ -237,7 +253,7 @@ def _record_order(spec: dict):
 
 
 CSV_COLUMNS = ["model", "system", "strategy", "column", "seeds", "status", "throughput", "ci95", "paper", "ratio",
-               "ettr", "ettr_ci95", "failures", "peak_memory_gb", "efficiency", "error"]
+               "ettr", "ettr_ci95", "dropped", "failures", "peak_memory_gb", "efficiency", "error"]
 
 
 def write_csv(spec: dict, records: list[dict], path: Path) -> None:

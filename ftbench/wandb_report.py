@@ -20,6 +20,7 @@ from ftbench.wandb_sink import wandb_group
 REPORT_FILE = "wandb-report.json"
 # Summary metrics every run logs (WandbSink: the summary's scalars and their totals)
 SUMMARY_PANELS = (("throughput", "throughput (samples/s)"), ("ettr", "ETTR"),
+                  ("samples_dropped", "samples dropped per run (torchft: steps without a replica group)"),
                   ("recovery_s_total", "recovery time per run (s)"), ("lost_iterations_total", "lost iterations per run"))
 MEDIA = ("gantt", "plots/loss")  # the runs' gantt.png and loss.png (WandbSink logs every PNG)
 

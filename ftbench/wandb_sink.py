@@ -474,7 +474,8 @@ def _artifact_metadata(summary: dict) -> dict:
 # one per swept key after `strategy`.
 SWEEP_COLUMNS: tuple[str, ...] = (
     "run", "strategy", "backend", "model", "hardware", "schedule", "pp", "dp", "microbatches",
-    "global_batch", "iterations", "samples", "time_s", "throughput", "ettr", "failures", "recoveries",
+    "global_batch", "iterations", "samples", "samples_dropped", "time_s", "throughput", "ettr", "failures",
+    "recoveries",
     "recovery_s", "lost_iterations", "peak_memory_gb", "status", "matches_fault_free",
     "wall_s", "error",
 )
