@@ -4,7 +4,7 @@
 CLI: `python -m ftbench.report RUN_OR_SWEEP_DIR... [--csv] [--out FILE] [--columns A,B]
 [--per-run] [--plots [--cell KEY=VALUE,...]]`. Default columns: strategy, one per swept key, model, schedule, backend, pp, dp,
 microbatches, iterations, time, iteration time, throughput, ETTR (`ettr`: productive time over
-the run's time), failures, recovery total, lost iterations, status. Times are in the run's
+the run's time), samples dropped (torchft's steps without a replica group), failures, recovery total, lost iterations, status. Times are in the run's
 clock, named in the header: `sim s` (the cost model: sim, or local with backend.clock=model)
 or `wall s` (measured); a table that mixes them says `s` and adds a `clock` column.
 Iteration time: sim, one iteration of the first plan; local, the median over its iterations

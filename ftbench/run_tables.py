@@ -20,8 +20,8 @@ from ftbench.metrics import (METRICS_FILE, SUMMARY_FILE, peak_memory_max, read_m
                              summary_ettr)
 
 DEFAULT_COLUMNS = ["strategy", "model", "schedule", "backend", "pp", "dp", "microbatches", "iterations",
-                   "time_s", "iteration_s", "throughput", "ettr", "failures", "recovery_s", "lost_iterations",
-                   "status"]
+                   "time_s", "iteration_s", "throughput", "ettr", "samples_dropped", "failures", "recovery_s",
+                   "lost_iterations", "status"]
 
 
 # --------------------------------------------------------------------------- many runs
@@ -197,6 +197,7 @@ HEADERS = {
     "peak_memory_gb": "peak memory (GB)",
     "lost_iterations": "lost iterations",
     "ettr": "ETTR",
+    "samples_dropped": "samples dropped",
 }
 TIMED_COLUMNS = ("time_s", "iteration_s", "iteration_time_s", "recovery_s", "throughput")
 
