@@ -47,3 +47,18 @@ def test_a_cell_of_the_table_runs_on_a_smaller_grid(tmp_path):
     assert summary["status"] == "ok", summary["error"]
     assert abs(summary["failures"] - 54) < 4 * 54 ** 0.5 and 0.9 < summary["ettr"] < 1.0
     assert cfg.failures.repair_hours * 3600 == cfg.cluster.replacement_s  # one machine pool for every strategy
+
+
+def test_samples_dropped_show_beside_throughput_and_ettr():
+    """torchft's cell says what share of the kept iterations' global batches it did not train;
+    a strategy that keeps the global batch shows none."""
+    spec = {"name": "t", "rows": {"torchft": "torchft", "gemini": "Gemini"}, "columns": {"llama3": {"hours": 3.0}},
+            "models": {"m": {"label": "M"}}}
+    cells = [{"model": "m", "strategy": s, "table": {"name": "t", "column": "llama3"}, "seed": 0, "status": "ok",
+              "throughput": 10.0, "ettr": 0.99, "samples": 999_000, "samples_dropped": dropped,
+              "peak_memory_bytes": [1e9]} for s, dropped in (("torchft", 1_000), ("gemini", 0))]
+    records = {r["strategy"]: r for r in aggregate(spec, cells)}
+    assert records["torchft"]["dropped"] == pytest.approx(1e-3) and records["gemini"]["dropped"] == 0
+    text = markdown(spec, list(records.values()))
+    assert "| torchft | 10 · 99.0 % · 0.1 % of the samples dropped |" in text
+    assert "| Gemini | 10 · 99.0 % |" in text
