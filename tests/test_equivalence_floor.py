@@ -103,9 +103,9 @@ def test_the_floor_is_measured_once_per_setup(tmp_path, monkeypatch):
     calls = []
     reference = fault_free_module.fault_free_reference
 
-    def counted(cfg, ctx, progress=False):
+    def counted(cfg, ctx, progress=False, replay=None):
         calls.append(cfg.backend.dtype)
-        return reference(cfg, ctx, progress=progress)
+        return reference(cfg, ctx, progress=progress, replay=replay)
 
     monkeypatch.setattr(fault_free_module, "fault_free_reference", counted)
     monkeypatch.setattr(fault_free, "_FLOORS", {})
