@@ -49,6 +49,9 @@ class HardwareConfig:
     # fixed cost of writing one checkpoint file (serialise, sha256, write, fsync; a checkpoint's
     # manifest is one more), s: `ftbench calibrate` measures it
     checkpoint_file_s: float = 0.0
+    # fixed cost of reading one checkpoint file back and verifying it (open, read, sha256,
+    # unpickle), s: `ftbench calibrate` measures it
+    checkpoint_load_file_s: float = 0.0
     cores: Optional[int] = None  # cores the job's workers share on one machine (local: 1, one process); null: a device each
     measured: Optional[Any] = None  # op times `ftbench calibrate` measured for one model, micro-batch and seq_len
     provenance: Optional[Any] = None  # where a measured profile comes from: host, CPU/GPU, torch, date, command

@@ -254,7 +254,7 @@ def _check_hardware(hw) -> None:
     if not 0 < hw.efficiency <= 1:
         raise ConfigError("hardware.efficiency", f"must be in (0, 1], got {hw.efficiency}",
                           "set the achieved fraction of peak FLOP/s, e.g. hardware.efficiency=0.5")
-    for key in ("link_latency_us", "restart_s", "rendezvous_s", "checkpoint_file_s"):
+    for key in ("link_latency_us", "restart_s", "rendezvous_s", "checkpoint_file_s", "checkpoint_load_file_s"):
         if getattr(hw, key) < 0:
             raise ConfigError(f"hardware.{key}", f"must not be negative, got {getattr(hw, key)}", "set a value >= 0")
     cores = getattr(hw, "cores", None)

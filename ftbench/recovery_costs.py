@@ -2,7 +2,8 @@
 and the modelled clock's on every backend).
 
 Bytes come from the plan (which worker holds which layers) and the model shape; seconds
-from the hardware profile: checkpoint files over `storage_gbps` per node (nodes write in
+from the hardware profile: checkpoint files over `storage_gbps` per node, each file's measured
+fixed cost written and read back (`checkpoint_file_s`, `checkpoint_load_file_s`; nodes write in
 parallel, workers on one node share it), host copies over `host_gbps` per GPU, process
 restarts `restart_s`, a rendezvous of survivors `rendezvous_s`. No per-model constants.
 """
@@ -96,6 +97,25 @@ def _write_s(plan: Plan, cost_model, alive=None) -> float:
     return max(files[n] * per_file + nbytes / storage for n, nbytes in by_node.items()) + per_file
 
 
+def _read_s(plan: Plan, cost_model) -> float:
+    """Reading one checkpoint back (a FILE restore into `plan`): each node reads its workers'
+    shards over `storage_gbps`, plus each file's fixed cost (`hardware.checkpoint_load_file_s`:
+    open, read, sha256, unpickle; the manifest is one file more). A job on one machine
+    (`hardware.cores` set) has one disk, from which the checkpoint's files are read once."""
+    hw = cost_model.hw
+    storage = hw.storage_gbps * 1e9
+    per_file = float(getattr(hw, "checkpoint_load_file_s", 0.0) or 0.0)
+    if getattr(hw, "cores", None) is not None:
+        shards = _writer_node_bytes(plan, cost_model)
+        return (len(checkpoint_writers(plan)) + 1) * per_file + sum(shards.values()) / storage
+    if not per_file:
+        return _most_node_bytes(plan, cost_model) / storage  # (the paper profiles: as before, to the bit)
+    stages = defaultdict(set)
+    for w, held in plan.holds.items():
+        stages[plan.node_of[w]].update(s for _, s in held)
+    return max((len(stages[n]) + 1) * per_file + nbytes / storage for n, nbytes in _node_bytes(plan, cost_model).items())
+
+
 def _node_bytes(plan: Plan, cost_model) -> dict[int, float]:
     per_stage = grid_replica_bytes(plan, cost_model)
     if per_stage is None:
@@ -157,7 +177,7 @@ def action_seconds(action, old: Plan, new: Plan, cost_model, save_s: float | Non
             # (HOST: from the host memory of another node of its group, over the network).
             seconds = most_replica_bytes(new, cost_model) / (hw.host_gbps * 1e9)
             return seconds + _copies_s(action.copies, old, new, cost_model)
-        return _most_node_bytes(new, cost_model) / (hw.storage_gbps * 1e9)
+        return _read_s(new, cost_model)
     if isinstance(action, SyncFromPeers):
         return _copies_s(action.copies, old, new, cost_model)
     if isinstance(action, UndoSteps):

@@ -151,3 +151,35 @@ def test_a_checkpoint_pays_each_files_fixed_cost_and_one_disk_per_machine(cores)
         assert stall == pytest.approx(0.01 + max(shard.values()) / storage + 0.01)
     else:  # one disk: both shards and the manifest, one after another
         assert stall == pytest.approx(3 * 0.01 + sum(shard.values()) / storage)
+
+
+@pytest.mark.parametrize("cores", [None, 2])
+def test_a_restore_pays_each_files_fixed_cost_read_back_and_one_disk_per_machine(cores):
+    """A FILE restore: each node reads its workers' shards (bytes over storage_gbps, plus each
+    file's read-back cost, hardware.checkpoint_load_file_s) and the manifest; a job on one
+    machine (hardware.cores) reads the checkpoint's files once from its one disk. A profile
+    without the fixed cost and without `cores` gives what it always gave."""
+    from ftbench.actions import FILE, RestoreCheckpoint
+    from ftbench.cli import compose
+    from ftbench.context import RunContext
+    from ftbench.plan import checkpoint_writers
+    from ftbench.recovery_costs import _stage_bytes, action_seconds
+
+    base = ["backend=sim", "model=gpt-tiny", "hardware=a100-80gb", "cluster.pp=2", "cluster.dp=2"]
+    plain = RunContext.from_config(compose(base))
+    plan = plain.grid_plan(2, 2, 1)
+    shard = {s: _stage_bytes(plan, next(p for p, t in plan.holds[w] if t == s), s, plain.cost_model)
+             for s, w in checkpoint_writers(plan).items()}
+    storage = plain.cost_model.hw.storage_gbps * 1e9
+    restore = RestoreCheckpoint(FILE)
+    assert action_seconds(restore, plan, plan, plain.cost_model) == max(shard.values()) / storage
+    overrides = base + ["hardware.checkpoint_load_file_s=0.01"] + ([f"hardware.cores={cores}"] if cores else [])
+    ctx = RunContext.from_config(compose(overrides))
+    seconds = action_seconds(restore, plan, plan, ctx.cost_model)
+    if cores is None:  # one worker per node: its stage's file and the manifest, every node at once
+        assert seconds == pytest.approx(2 * 0.01 + max(shard.values()) / storage)
+    else:  # one disk: each stage's file once, and the manifest
+        assert seconds == pytest.approx(3 * 0.01 + sum(shard.values()) / storage)
+    bad = RunContext.from_config  # a negative cost is refused, naming the setting
+    with pytest.raises(Exception, match="checkpoint_load_file_s"):
+        bad(compose(base + ["hardware.checkpoint_load_file_s=-1"]))

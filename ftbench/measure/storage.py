@@ -78,10 +78,11 @@ def synthetic_shards(megabytes: float, files: int = 1) -> dict:
     return shards
 
 
-def file_cost(single: dict, split: dict, files: int) -> float:
-    """The fixed cost of one checkpoint file: the same bytes saved as `files` shards instead of
-    one take that many files more (at least 0: noise can invert two close medians)."""
-    return max(0.0, (split["save_s"] - single["save_s"]) / (files - 1))
+def file_cost(single: dict, split: dict, files: int, which: str = "save_s") -> float:
+    """The fixed cost of one checkpoint file, written (`save_s`) or read back and verified
+    (`load_s`): the same bytes as `files` shards instead of one take that many files more (at
+    least 0: noise can invert two close medians)."""
+    return max(0.0, (split[which] - single[which]) / (files - 1))
 
 
 def measure_storage(folder: Path, setup: Setup, synthetic_mb: float, reps: int, say) -> dict:
@@ -95,6 +96,9 @@ def measure_storage(folder: Path, setup: Setup, synthetic_mb: float, reps: int, 
         f"load {synthetic['load_gbps']:.3f} GB/s")
     split = save_and_load(folder / "split", synthetic_shards(synthetic_mb, SHARDS), reps)
     file_s = file_cost(synthetic, split, SHARDS)
+    load_file_s = file_cost(synthetic, split, SHARDS, "load_s")
     say(f"storage: the same in {SHARDS} files: save {split['save_s'] * 1e3:.1f} ms against "
-        f"{synthetic['save_s'] * 1e3:.1f} ms: {file_s * 1e3:.2f} ms per file")
-    return {"model": model, "synthetic": synthetic, "split": {**split, "files": SHARDS}, "file_s": file_s}
+        f"{synthetic['save_s'] * 1e3:.1f} ms: {file_s * 1e3:.2f} ms per file; load {split['load_s'] * 1e3:.1f} ms "
+        f"against {synthetic['load_s'] * 1e3:.1f} ms: {load_file_s * 1e3:.2f} ms per file")
+    return {"model": model, "synthetic": synthetic, "split": {**split, "files": SHARDS}, "file_s": file_s,
+            "load_file_s": load_file_s}
