@@ -72,7 +72,7 @@ class Torchft(Strategy):
         self.current = self.full
         return self.full
 
-    def _plan_of(self, active: frozenset, cluster: ClusterView) -> Plan:
+    def _plan_of(self, active: frozenset) -> Plan:
         """The grid of the groups in `active`, each on its own workers with its own samples."""
         if len(active) == len(self.groups):
             return self.full
@@ -98,7 +98,7 @@ class Torchft(Strategy):
         if not active:
             return Recovery(unrecoverable="every replica group lost a worker: torchft heals a group only from a "
                             "live one, and this run keeps no checkpoint to fall back to")
-        self.active, self.current = active, self._plan_of(active, cluster)
+        self.active, self.current = active, self._plan_of(active)
         return Recovery(actions=[Rendezvous()], plan=self.current, later=(event.node,))
 
     def _rejoin(self, cluster: ClusterView) -> Recovery:
@@ -109,7 +109,7 @@ class Torchft(Strategy):
             return Recovery()
         old = self.current
         self.active = self.active.union(ready)
-        self.current = self._plan_of(self.active, cluster)
+        self.current = self._plan_of(self.active)
         live = frozenset(old.holds)
         copies = peer_copies(old, self.current, live.__contains__, self.ctx.cost_model)
         return Recovery(actions=[Rendezvous(), SyncFromPeers(tuple(copies))], plan=self.current)
