@@ -84,6 +84,10 @@ class TrainConfig:
     data_path: Optional[str] = None  # text: the file to read
     recompute: str = "none"  # activation recomputation: none | full (stash only each stage's input; re-run F before the backward)
     overlap_grad_reduce: bool = False  # all-reduce gradients in per-layer buckets during the last micro-batch's backward (Megatron's --overlap-grad-reduce); false: after it (DeepSpeed)
+    data_parallel: str = "synchronous"  # synchronous (gradients all-reduced every step) | localsgd | diloco: each pipeline steps on its own gradients, replicas meet every sync_every steps (ftbench/local_sgd.py)
+    sync_every: int = 500  # localsgd/diloco: optimizer steps between syncs (H = 500: DiLoCo, arXiv 2311.08105)
+    outer_lr: float = 0.7  # diloco: the outer Nesterov SGD's learning rate (DiLoCo, arXiv 2311.08105)
+    outer_momentum: float = 0.9  # diloco: the outer SGD's Nesterov momentum (DiLoCo, arXiv 2311.08105)
 
 
 @dataclass
@@ -277,6 +281,7 @@ def check(cfg) -> None:
                           "set e.g. report.progress_every_s=30, or null for no progress lines")
     if not str(cfg.wandb.project).strip():
         raise ConfigError("wandb.project", "is empty", "name the W&B project, e.g. wandb.project=ftbench")
+    _check_local_steps(cfg)
     if cfg.train.data_path is not None and cfg.train.data != "text":
         raise ConfigError("train.data_path", f"train.data={cfg.train.data} reads no file, so it would be ignored",
                           "add train.data=text to train on the file, or drop train.data_path")
@@ -290,6 +295,51 @@ def check(cfg) -> None:
             if cfg.backend.get(key, default) != default:
                 raise ConfigError(f"backend.{key}", f"only backend=dist reads it, and backend={backend} would "
                                   "ignore it", f"drop backend.{key}, or use backend=dist")
+
+
+def _check_local_steps(cfg) -> None:
+    """LocalSGD and DiLoCo settings: read only under them, and only by a strategy that keeps
+    each replica's own state (Strategy.trains_local_steps)."""
+    from ftbench.local_sgd import ALGORITHMS, LOCAL
+    from ftbench.strategies import strategy_class
+
+    t = cfg.train
+    algorithm = t.get("data_parallel", "synchronous")
+    if algorithm not in ALGORITHMS:
+        raise ConfigError("train.data_parallel", f"'{algorithm}' is not one of {', '.join(ALGORITHMS)}",
+                          "choose synchronous (the default), localsgd or diloco")
+    if algorithm not in LOCAL:
+        for key in ("sync_every", "outer_lr", "outer_momentum"):
+            if t.get(key) != getattr(TrainConfig, key):
+                raise ConfigError(f"train.{key}", "only train.data_parallel=localsgd or diloco reads it, and "
+                                  "synchronous training would ignore it",
+                                  f"drop train.{key}, or set train.data_parallel=localsgd (or diloco)")
+        return
+    if t.sync_every is None or t.sync_every < 1:
+        raise ConfigError("train.sync_every", f"must be at least 1, got {t.sync_every}",
+                          "set train.sync_every to the optimizer steps between syncs, e.g. 500")
+    if algorithm != "diloco":
+        for key in ("outer_lr", "outer_momentum"):
+            if t.get(key) != getattr(TrainConfig, key):
+                raise ConfigError(f"train.{key}", "only DiLoCo's outer optimizer reads it, and "
+                                  f"train.data_parallel={algorithm} would ignore it",
+                                  f"drop train.{key}, or set train.data_parallel=diloco")
+    if not 0 <= t.outer_momentum < 1 or not t.outer_lr > 0:
+        raise ConfigError("train.outer_lr" if not t.outer_lr > 0 else "train.outer_momentum",
+                          f"outer_lr must be above 0 and outer_momentum in [0, 1), got {t.outer_lr} and "
+                          f"{t.outer_momentum}", "use DiLoCo's train.outer_lr=0.7 train.outer_momentum=0.9")
+    name = str(cfg.strategy.get("name"))
+    if not strategy_class(name).trains_local_steps:
+        able = ", ".join(f"strategy={n}" for n in _local_step_strategies())
+        raise ConfigError("train.data_parallel", f"strategy={name} assumes synchronous data parallelism (every "
+                          f"replica of a stage holds the same state), which {algorithm} does not keep",
+                          f"use {able}, or train.data_parallel=synchronous")
+
+
+def _local_step_strategies() -> list[str]:
+    from ftbench.strategies import REGISTRY
+
+    return sorted(n for n, cls in REGISTRY.items() if cls.trains_local_steps)
 
 
 def _check_numbers(node, prefix: str = "") -> None:

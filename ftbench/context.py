@@ -14,6 +14,7 @@ from ftbench.config import BACKENDS, HardwareConfig, check as check_config
 from ftbench.costs import RECOMPUTE_MODES, CostModel
 from ftbench.errors import ConfigError
 from ftbench.failures import KINDS as FAILURE_KINDS
+from ftbench.local_sgd import LocalSteps, local_steps
 from ftbench.wandb_sink import WandbSink
 from ftbench.plan import Plan, grid_plan
 from ftbench.schedule import GENERATORS, generate
@@ -47,6 +48,7 @@ class RunContext:
     failures_per_iteration: float | None = None
     recompute: str = "none"  # train.recompute: none | full (activation recomputation; costs and the local engine)
     overlap_grad_reduce: bool = False  # train.overlap_grad_reduce: the cost model's all-reduce overlap (simulated timings)
+    local_steps: LocalSteps | None = None  # train.data_parallel=localsgd|diloco (ftbench.local_sgd); None: synchronous
     run_dir: Path | None = None  # the run folder: every path setting resolves inside it (ftbench.folders)
     shared_dir: Path | None = None  # where a sweep's jobs share caches (the sweep folder; None: run_dir)
 
@@ -73,15 +75,16 @@ class RunContext:
             raise ConfigError("train.seq_len", f"{seq_len} is longer than {spec.name}'s context of {spec.seq_len} tokens",
                               f"use train.seq_len <= {spec.seq_len} or raise model.seq_len")
         microbatches, global_batch = _batch(t, cfg.cluster.dp)
+        steps = local_steps(t, _split(global_batch // t.microbatch_size, cfg.cluster.dp), t.microbatch_size)
         hardware = _plain(cfg.hardware)  # the cost model reads it in hot loops: no DictConfig there
         return cls(spec=spec, hardware=hardware,
                    cost_model=CostModel(spec, hardware, t.microbatch_size, seq_len, t.recompute,
-                                        bool(t.overlap_grad_reduce)),
+                                        bool(t.overlap_grad_reduce), steps),
                    backend=cfg.backend.name, schedule_name=cfg.schedule.name,
                    microbatches=microbatches, microbatch_size=t.microbatch_size, seq_len=seq_len,
                    global_batch=global_batch, iterations=t.iterations, max_hours=t.max_hours,
                    seed=cfg.seed, node_mtbf_hours=cfg.failures.mtbf_hours, recompute=t.recompute,
-                   overlap_grad_reduce=bool(t.overlap_grad_reduce))
+                   overlap_grad_reduce=bool(t.overlap_grad_reduce), local_steps=steps)
 
     def grid_plan(self, pp: int, dp: int, gpus_per_node: int = 1, schedule: str | None = None, node_of=None) -> Plan:
         """The regular grid under the configured (or given) schedule, layers balanced over stages.
@@ -92,10 +95,14 @@ class RunContext:
 
     def split_microbatches(self, dp: int) -> tuple[int, ...]:
         """The global batch's micro-batches over dp pipelines (the first ones take one more)."""
-        total = self.global_batch // self.microbatch_size
-        if dp > total:
-            raise ValueError(f"{dp} pipelines but only {total} micro-batches in the global batch")
-        return tuple(total // dp + (1 if d < total % dp else 0) for d in range(dp))
+        return _split(self.global_batch // self.microbatch_size, dp)
+
+
+def _split(total: int, dp: int) -> tuple[int, ...]:
+    """`total` micro-batches over dp pipelines (the first ones take one more)."""
+    if dp > total:
+        raise ValueError(f"{dp} pipelines but only {total} micro-batches in the global batch")
+    return tuple(total // dp + (1 if d < total % dp else 0) for d in range(dp))
 
 
 def _plain(node):

@@ -74,7 +74,7 @@ def measured_ops(hardware, spec: ModelSpec, microbatch_size: int, seq_len: int) 
 
 class CostModel:
     def __init__(self, spec: ModelSpec, hardware, microbatch_size: int, seq_len: int,
-                 recompute: str = "none", overlap_grad_reduce: bool = False):
+                 recompute: str = "none", overlap_grad_reduce: bool = False, local_steps=None):
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.spec, self.hw = spec, hardware
@@ -83,6 +83,9 @@ class CostModel:
         # train.overlap_grad_reduce: all-reduce gradients in per-layer buckets during the last
         # micro-batch's backward (the simulator reads it off PlanCosts; see the module docstring)
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
+        # train.data_parallel=localsgd|diloco (ftbench.local_sgd.LocalSteps): no gradient
+        # all-reduce in an iteration, a sync every sync_every (ftbench.sim.cache); None: synchronous
+        self.local_steps = local_steps
         self.flop_rate = hardware.peak_tflops * 1e12 * hardware.efficiency
         self.overhead_s = float(getattr(hardware, "op_overhead_s", 0.0) or 0.0)
         self.ops = measured_ops(hardware, spec, microbatch_size, seq_len)
@@ -92,7 +95,7 @@ class CostModel:
         hw = self.hw
         return (self.spec, self.b, self.s, hw.peak_tflops, hw.efficiency, hw.hbm_gbps,
                 hw.intra_node_gbps, hw.inter_node_gbps, hw.link_latency_us, hw.memory_gb, self.recompute,
-                self.overlap_grad_reduce, self.overhead_s, repr(self.ops))
+                self.overlap_grad_reduce, self.overhead_s, repr(self.ops), repr(self.local_steps))
 
     # -- compute ------------------------------------------------------------------------
     @lru_cache(maxsize=None)
@@ -172,11 +175,17 @@ class CostModel:
         return self.link_s(self.spec.boundary_bytes(self.b, self.s), same_node)
 
     def allreduce_s(self, params: int, replicas: int, same_node: bool) -> float:
-        """Ring all-reduce of fp16 gradients: 2(n-1)/n of the bytes and 2(n-1) latencies."""
+        """Ring all-reduce of fp16 gradients: 2(n-1)/n of the bytes and 2(n-1) latencies. None
+        under LocalSGD or DiLoCo (`local_steps`): each replica steps on its own gradients."""
+        if self.local_steps is not None:
+            return 0.0
+        return self.ring_s(GRAD_BYTES_PER_PARAM * params, replicas, same_node)
+
+    def ring_s(self, nbytes: float, replicas: int, same_node: bool) -> float:
+        """A ring all-reduce of `nbytes` over `replicas`: 2(n-1)/n of the bytes, 2(n-1) latencies."""
         if replicas <= 1:
             return 0.0
         bw = self.hw.intra_node_gbps if same_node else self.hw.inter_node_gbps
-        nbytes = GRAD_BYTES_PER_PARAM * params
         steps = 2 * (replicas - 1)
         return steps * self.hw.link_latency_us * 1e-6 + steps / replicas * nbytes / (bw * 1e9)
 

@@ -12,6 +12,7 @@ from ftbench.errors import ConfigError
 from ftbench.failures import FailureScript, build_failure_script
 from ftbench.loop import CLOCKS
 from ftbench.metrics import ettr
+from ftbench.samples import sync_points
 
 
 def setup(cfg, run_dir, shared_dir=None) -> tuple[RunContext, Cluster, FailureScript]:
@@ -83,15 +84,22 @@ def clock_of(cfg) -> str:
     return clock
 
 
-def totals(outcome, global_batch: int) -> dict:
+def totals(outcome, global_batch: int, local_steps=None) -> dict:
     """The run's totals. `samples`: those that counted, from the ledger (every kept
     iteration's plan); `samples_dropped`: the global batch's samples its kept iterations did
-    not train (0 for a strategy that keeps the global batch)."""
+    not train (0 for a strategy that keeps the global batch). Under LocalSGD or DiLoCo
+    (`local_steps`, ftbench.local_sgd), a sample counts when its group's window synced with
+    it, and `syncs` lists the syncs (ftbench.samples.sync_points)."""
     ledger = getattr(outcome, "ledger", None)
     full = outcome.iterations * global_batch
     samples = sum((entry[1] - entry[0] + 1) * entry[2] for entry in ledger) if ledger else full
+    extra = {}
+    if local_steps is not None:
+        points = sync_points(ledger or [[0, outcome.iterations - 1, global_batch, [[0, global_batch]]]]
+                             if outcome.iterations else [], local_steps)
+        samples, extra["syncs"] = sum(p[4] for p in points), points
     segments = outcome.plan_segments
-    return {"iterations": outcome.iterations, "samples": samples, "samples_dropped": full - samples,
+    return {"iterations": outcome.iterations, "samples": samples, "samples_dropped": full - samples, **extra,
             "ledger": ledger or [], "time_s": outcome.time_s,
             "throughput": samples / outcome.time_s if outcome.time_s > 0 else 0.0,
             "ettr": ettr(outcome.productive_s, outcome.time_s), "productive_s": outcome.productive_s,

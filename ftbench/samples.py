@@ -107,3 +107,46 @@ def replayed(entries, global_batch: int) -> dict[int, tuple[tuple[int, int], ...
         if ranges != whole:
             out.update(dict.fromkeys(range(first, last + 1), ranges))
     return out or None
+
+
+
+def sync_points(entries, steps) -> list[list]:
+    """LocalSGD's or DiLoCo's syncs as the ledger's entries show them (ftbench.local_sgd), as
+    [first sync's iteration, last sync's, [participating groups], [healing groups], samples
+    that counted in their windows] per run of consecutive windows alike: a group takes part
+    in a window's sync when it trained every iteration of the window; one that trained its
+    last iteration but not all of them heals there. Groups are the configured grid's
+    pipelines, in order (steps.group_samples). A window the run ended in before its sync
+    counts nothing."""
+    out: list[list] = []
+    each: list[int] = []  # per run of windows: one window's samples (windows alike merge)
+    window = None  # [index, last iteration, participants, present last, iterations]
+
+    def close(w) -> None:
+        if w is None or not steps.syncs_after(w[1]):
+            return
+        samples = w[4] * sum(b - a for g, (a, b) in enumerate(steps.group_samples) if g in w[2])
+        groups = [sorted(w[2]), sorted(w[3] - w[2])]
+        if out and out[-1][2:4] == groups and each[-1] == samples and steps.window(out[-1][1]) + 1 == w[0]:
+            out[-1][1] = w[1]
+            out[-1][4] += samples
+        else:
+            out.append([w[1], w[1], *groups, samples])
+            each.append(samples)
+
+    for first, last, _, ranges in entries or ():
+        ranges = [tuple(r) for r in ranges]
+        present = frozenset(g for g, (a, b) in enumerate(steps.group_samples) if counted(ranges, a, b))
+        i = first
+        while i <= last:
+            index = steps.window(i)
+            end = min(last, (index + 1) * steps.sync_every - 1)
+            if window is None or window[0] != index:
+                close(window)
+                window = [index, end, present, present, end - i + 1]
+            else:
+                window[1], window[2], window[3] = end, window[2] & present, present
+                window[4] += end - i + 1
+            i = end + 1
+    close(window)
+    return out

@@ -67,6 +67,10 @@ class Strategy:
     # Whether every step trains the whole global batch. False: a step may go on without some
     # replicas' samples (torchft), which the samples ledger records (ftbench.samples).
     keeps_global_batch: ClassVar[bool] = True
+    # Whether it can run LocalSGD or DiLoCo (train.data_parallel, ftbench.local_sgd), where the
+    # replicas of a stage differ between syncs: a strategy whose checkpoints or copies take one
+    # replica per stage for all of them cannot.
+    trains_local_steps: ClassVar[bool] = False
     # A folder inside the run folder where the strategy's own files go (Swift's boundary logs),
     # or None.
     log_dir: str | None = None

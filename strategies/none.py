@@ -13,6 +13,7 @@ from ftbench.strategies.base import Recovery, Strategy, StrategyConfig, Strategy
 @register
 class NoFaultTolerance(Strategy):
     name = "none"
+    trains_local_steps = True  # nothing to recover: fault-free training of any data-parallel algorithm
     config = StrategyConfig
     tests = StrategyTests(conformance_scripts=("one failure", "time-based failure"))
 

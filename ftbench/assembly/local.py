@@ -32,7 +32,7 @@ def run_local(cfg, ctx, strategy, cluster, script, run_dir: Path, log, clock: st
                            log, progress, clock=clock)
     if outcome.first_timeline is not None and cfg.report.gantt:
         draw_run_gantt(outcome, timelines, run_dir, cfg, ctx, measured=engine.op_timer.timed)
-    result = {**totals(outcome, ctx.global_batch), "losses": outcome.losses, "clock": clock, "threads": threads,
+    result = {**totals(outcome, ctx.global_batch, ctx.local_steps), "losses": outcome.losses, "clock": clock, "threads": threads,
               "peak_memory_bytes": [engine.peak_memory[w] for w in sorted(engine.peak_memory)],
               "peak_host_bytes_max": max(engine.peak_host.values(), default=0),
               "final_state": None, "matches_fault_free": None}

@@ -22,7 +22,7 @@ def run_sim(cfg, ctx, strategy, cluster, script, run_dir: Path, log) -> dict:
         draw_run_gantt(outcome, cache, run_dir, cfg, ctx)
     log({"event": "end", "status": outcome.status, "iterations": outcome.iterations, "time_s": outcome.time_s})
     return {
-        **totals(outcome, ctx.global_batch),
+        **totals(outcome, ctx.global_batch, ctx.local_steps),
         "peak_memory_bytes": [int(outcome.peak_memory_bytes[w]) for w in sorted(outcome.peak_memory_bytes)],
         "peak_host_bytes_max": backend.peak_host,
         "iteration_time_s": shared_cores_iteration(first, ctx.hardware.cores) if first else None,

@@ -29,7 +29,7 @@ from ftbench.engine.iteration_work import performing
 from ftbench.engine.log_file import replay_sources
 from ftbench.engine.transport import ACT
 from ftbench.errors import ResultError
-from ftbench.engine.executor import WorkerExecutor, in_chunk, sum_chunks, sync_members, take_grads
+from ftbench.engine.executor import WorkerExecutor, in_chunk, step_members, sum_chunks, take_grads
 from ftbench.engine.op_times import now as op_clock
 from ftbench.engine.state import EngineState, load_shards, newest_commits, on_cpu
 from ftbench.engine.worker import Worker
@@ -94,7 +94,7 @@ class DistEngine(EngineState):
             return self._steps[1:]
         deps = dependency_graph(plan.schedule, layout=fragment_layout(plan.schedule.stages, plan.partition))
         order = topological_order(plan.schedule, deps)
-        members = {n: sync_members(plan, n) for n in deps if isinstance(n, GradientSync)}
+        members = {n: step_members(plan, n, self.local_steps) for n in deps if isinstance(n, GradientSync)}
         where = plan.schedule.index()
         me = self.transport.worker
         steps, slots, opt_syncs = [], {}, {}
@@ -174,6 +174,9 @@ class DistEngine(EngineState):
             self._track_memory()
         if completed is not None:
             return None
+        # LocalSGD's or DiLoCo's window, on every rank (a standby may take a group's worker
+        # over), and its sync, undone if a death cuts it (abandon_iteration)
+        self.after_ops(plan, iteration, tokens, keep=True)
         vector[len(slots) + self.rank] = iteration + 1
         if self._crc[0] is not plan:
             self._crc = (plan, plan_crc(plan))

@@ -348,7 +348,7 @@ def _train(cfg, ctx, job, log, rank, world, device, pg_backend, threads, heartbe
         from ftbench.engine.op_times import merged
 
         draw_run_gantt(outcome, timelines, run_dir, cfg, ctx, measured=merged(engine.op_timer.timed, run_dir))
-    result = {**totals(outcome, ctx.global_batch), "losses": outcome.losses, "clock": clock, "threads": threads,
+    result = {**totals(outcome, ctx.global_batch, ctx.local_steps), "losses": outcome.losses, "clock": clock, "threads": threads,
               "peak_memory_bytes": [outcome.peak_memory_bytes[w] for w in sorted(outcome.peak_memory_bytes)],
               "final_state": None, "matches_fault_free": None, "processes": world,
               "process_group": pg_backend, "device": str(device), "measured_recoveries": backend.recoveries,

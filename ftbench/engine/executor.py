@@ -46,6 +46,12 @@ class IterationResult:
     complete: bool
 
 
+def step_members(plan, sync: GradientSync, local_steps) -> tuple[int, ...]:
+    """The members of a gradient sync in an iteration: none under LocalSGD or DiLoCo
+    (`local_steps`, ftbench.local_sgd), where each replica steps on its own gradients."""
+    return () if local_steps is not None else sync_members(plan, sync)
+
+
 def sync_members(plan, sync: GradientSync) -> tuple[int, ...]:
     """The workers that step a replica of the sync's fragment, in holder (pipeline) order:
     the reduction's members and its summation order."""
@@ -72,6 +78,8 @@ class WorkerExecutor:
         # micro-batches whose loss counts 0: fault-free training replayed under a ledger that
         # dropped them (ftbench.engine.state.IterationSamples)
         self.dropped = getattr(tokens, "dropped", frozenset())
+        # LocalSGD or DiLoCo: each pipeline's own normaliser (ftbench.engine.state.IterationSamples)
+        self.per_pipeline = getattr(tokens, "per_pipeline", None)
         self.recompute = recompute == "full"
         self._batches: dict = {}
         self._redundant_inputs: dict = {}  # (pipeline, micro-batch) -> own output, for RF
@@ -80,8 +88,17 @@ class WorkerExecutor:
     def _loss(self, y: torch.Tensor, targets: torch.Tensor, key) -> torch.Tensor:
         """A last stage's share of the iteration's mean loss; 0 (its gradients exactly 0, so
         a sum that includes them is the sum without them) for a micro-batch that does not count."""
-        out = lm_loss_sum(y, targets) / self.normaliser
+        normaliser = self.normaliser if self.per_pipeline is None else (self.per_pipeline[key[0]] or 1.0)
+        out = lm_loss_sum(y, targets) / normaliser
         return out * 0.0 if key in self.dropped else out
+
+    def _share(self, out: torch.Tensor, pipeline: int) -> torch.Tensor:
+        """A last stage's loss as its share of the iteration's mean over every sample that
+        counts (under LocalSGD or DiLoCo, rescaled from its pipeline's own mean)."""
+        share = out.detach().to(torch.float64)
+        if self.per_pipeline is not None:
+            share = share * (self.per_pipeline[pipeline] / self.normaliser)
+        return share
 
     def replica(self, pipeline: int, stage: int) -> StageReplica:
         return self.worker.replica(self.plan.layers(pipeline, stage))
@@ -208,7 +225,7 @@ class WorkerExecutor:
             replica.stash[key] = (x, out, saved.bytes)
         self._note_activations()
         if last:
-            return out.detach().to(torch.float64)
+            return self._share(out, op.pipeline)
         if self._runs_here(Op(RF, op.stage + 1, op.microbatch, op.pipeline)):
             self._redundant_inputs[key] = y.detach()  # this worker's redundant forward of the next stage
         dst = self._peer(Op(F, op.stage + 1, op.microbatch, op.pipeline))
@@ -254,8 +271,10 @@ class WorkerExecutor:
 class Executor:
     """The in-process driver: runs plans on a set of workers in one topological order."""
 
-    def __init__(self, workers: dict[int, Worker], transport: Transport | None = None, recompute: str = "none"):
+    def __init__(self, workers: dict[int, Worker], transport: Transport | None = None, recompute: str = "none",
+                 local_steps=None):
         self.workers = workers
+        self.local_steps = local_steps  # LocalSGD or DiLoCo: no gradient sums (ftbench.local_sgd)
         self.transport = transport if transport is not None else InProcessTransport()
         self.recompute = recompute  # train.recompute, for every WorkerExecutor
         self._graphs: dict[int, tuple] = {}  # id(plan) -> (plan, deps, order, members)
@@ -266,7 +285,7 @@ class Executor:
         if hit is None or hit[0] is not plan:
             deps = dependency_graph(plan.schedule, layout=fragment_layout(plan.schedule.stages, plan.partition))
             order = topological_order(plan.schedule, deps)
-            members = {n: sync_members(plan, n) for n in deps if isinstance(n, GradientSync)}
+            members = {n: step_members(plan, n, self.local_steps) for n in deps if isinstance(n, GradientSync)}
             hit = self._graphs[id(plan)] = (plan, deps, order, members)
         return hit[1:]
 

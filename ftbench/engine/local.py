@@ -25,7 +25,9 @@ from ftbench.engine.executor import Executor, IterationResult
 from ftbench.engine.state import EngineState, load_shards, newest_commits
 from ftbench.engine.worker import StageReplica
 from ftbench.errors import ReplayUnavailable, ResultError
+from ftbench.engine.outer_sync import stage_members
 from ftbench.layers import fragment_layout, model_layers, stage_units
+from ftbench.local_sgd import groups, heal_source
 from ftbench.plan import checkpoint_writers
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}  # the choices of backend.dtype
@@ -68,7 +70,8 @@ class LocalEngine(EngineState):
     def __init__(self, ctx, data, lr: float, weight_decay: float, store: CheckpointStore | None,
                  dtype: str = "float32", boundary_log: BoundaryLog | None = None):
         super().__init__(ctx, data, lr, weight_decay, DTYPES[dtype], store, boundary_log)
-        self.executor = Executor(self.workers, recompute=getattr(ctx, "recompute", "none"))  # train.recompute
+        self.executor = Executor(self.workers, recompute=getattr(ctx, "recompute", "none"),  # train.recompute
+                                 local_steps=self.local_steps)
         self.peak_memory: dict[int, int] = {}  # worker -> peak bytes of device state (weights, grads, Adam, undo, activations)
         # worker -> peak bytes of what a strategy keeps in host memory besides: in-memory
         # commits (Elastic Horovod), snapshots until persisted (CheckFreq), the iteration's
@@ -95,15 +98,37 @@ class LocalEngine(EngineState):
             transport = performing(works, self.executor.transport, log, iteration)
         timer = self.op_timer.begin(self.plan, iteration) if completed is None else None
         samples = self.samples(self.plan, iteration)
+        if self.replayed is not None and self.local_steps is not None:
+            self._rejoin_replayed(samples.present(self.plan))
         result = self.executor.run(self.plan, samples, samples.normaliser, completed, transport, timer)
         self._track_memory()  # with the steps' undo records, which live until the iteration completes
         if result.complete:
+            self.after_ops(self.plan, iteration, samples)
             if timer is not None:
                 timer.end()
             self._commit_steps()
             if log is not None:
                 log.seal(iteration)
         return result
+
+    def _rejoin_replayed(self, present: frozenset) -> None:
+        """Fault-free training replayed under a ledger, LocalSGD or DiLoCo: a group that trains
+        again after iterations out takes every stage's state from the group the run's strategy
+        healed it from (ftbench.local_sgd.heal_source over the groups that went on)."""
+        last = self.window.last
+        back = present - last
+        if not last or not back:
+            return
+        source = heal_source(last & present)
+        members = stage_members(self.plan)
+        of = groups(self.plan)
+        for s, held in members.items():
+            src_d, src = next((d, w) for d, w in held if of[d] == source)
+            shard = self.workers[src].replica(self.plan.layers(src_d, s)).shard()
+            for d, w in held:
+                if of[d] in back:
+                    replica = self.workers[w].replica(self.plan.layers(d, s))
+                    replica.load(shard["model"], shard["optim"], outer=shard.get("outer"))
 
     def replay(self, workers, since: int, until: int, chunks: int = 1) -> None:
         """Swift's logging-based recovery, done for real: `workers` load their replicas from

@@ -28,10 +28,12 @@ import torch
 
 from ftbench.engine.iteration_work import no_work
 from ftbench.engine.op_times import OpTimer
+from ftbench.engine.outer_sync import new_outer_state, sync as outer_sync
 from ftbench.engine.worker import StageReplica, Worker
 from ftbench.errors import ResultError
 from ftbench.models.data import batch
 from ftbench.models.gpt import build_stage
+from ftbench.local_sgd import SyncWindow
 from ftbench.samples import count, counted, pipeline_offsets, sample_ranges
 
 
@@ -58,6 +60,10 @@ class EngineState:
         # (ftbench.samples.replayed; ftbench.fault_free), None otherwise
         self.replayed = None
         self.workers: dict[int, Worker] = {}  # the workers this process runs
+        # LocalSGD or DiLoCo (ftbench.local_sgd), None: synchronous; the groups that trained the
+        # sync window in flight
+        self.local_steps = getattr(ctx, "local_steps", None)
+        self.window = SyncWindow()
         self.plan = None
         self.undone = 0  # optimizer steps undone over the run (abandoned iterations), every replica of the job
         self.op_timer = OpTimer()  # the first complete iteration of each plan, op by op (gantt.png)
@@ -71,7 +77,10 @@ class EngineState:
         """A replica of `layers` (stage `stage`; `last`: with the head) from the initial weights."""
         module = build_stage(self.ctx.spec, self.ctx.seed, *layers, stage == 0, last)
         module = module.to(self.dtype) if self.device is None else module.to(device=self.device, dtype=self.dtype)
-        return StageReplica(stage, module, self.lr, self.weight_decay)
+        replica = StageReplica(stage, module, self.lr, self.weight_decay)
+        if self.local_steps is not None and self.local_steps.algorithm == "diloco":
+            replica.outer = new_outer_state(replica)
+        return replica
 
     def build(self, plan) -> None:
         """Start `plan` from scratch: fresh workers with the initial weights (as new processes would)."""
@@ -120,13 +129,31 @@ class EngineState:
         else:  # fault-free training replayed under a ledger: what it did not train contributes 0
             dropped = frozenset((p, k) for p, (o, n) in enumerate(zip(offsets, plan.schedule.microbatches))
                                 for k in range(n) if not counted(ranges, (o + k) * b, (o + k + 1) * b))
-        return IterationSamples(self.data, iteration, offsets, b, self.device,
-                                float(count(ranges) * (self.ctx.seq_len - 1)), dropped)
+        tokens = self.ctx.seq_len - 1
+        per_pipeline = None
+        if self.local_steps is not None:  # each pipeline steps on its own samples' mean loss
+            per_pipeline = tuple(sum((p, k) not in dropped for k in range(n)) * b * tokens
+                                 for p, n in enumerate(plan.schedule.microbatches))
+        return IterationSamples(self.data, iteration, offsets, b, self.device, float(count(ranges) * tokens),
+                                dropped, per_pipeline)
+
+    def after_ops(self, plan, iteration: int, samples: "IterationSamples", keep: bool = False) -> None:
+        """The iteration's ops are all done: under LocalSGD or DiLoCo, its groups count in the
+        window, and a sync iteration syncs (ftbench.engine.outer_sync; with `keep`, undoably)."""
+        steps = self.local_steps
+        if steps is None:
+            return
+        self.window.trained(steps, iteration, samples.present(plan))
+        if steps.syncs_after(iteration):
+            outer_sync(plan, steps, self.window.through, {w: x for w, x in self.workers.items() if x.alive},
+                       self.transport, keep=keep)
 
     def _commit_steps(self) -> None:
         """The iteration's optimizer steps can no longer be abandoned: drop their undo records."""
         for replica in self._replicas():
             replica.undo.clear()
+            replica.pre_sync = None
+        self.window.commit()
 
     def abandon_iteration(self) -> int:
         """The iteration in flight is lost and will be redone: replicas that already took its
@@ -134,7 +161,11 @@ class EngineState:
         stash, deferred W, gradients and every message and sum in flight are dropped. Returns
         the replicas undone here."""
         undone = 0
+        self.window.revert()
         for replica in self._replicas():
+            if replica.pre_sync is not None:  # a sync the death cut: back to the state after the step
+                kept, replica.pre_sync = replica.pre_sync, None
+                replica.load(kept["model"], kept["optim"], outer=kept.get("outer"), keep_undo=True)
             if replica.undo.recorded:
                 replica.undo.undo()
                 undone += 1
@@ -251,11 +282,15 @@ def load_shards(replicas, shards, device=None) -> None:
     Shared by the local and dist backends."""
     model = {k: v for s in shards for k, v in s["model"].items()}
     optim = {k: v for s in shards for k, v in s["optim"].items()}
+    outer = None
+    if any("outer" in s for s in shards):  # DiLoCo's outer state (ftbench.engine.outer_sync)
+        outer = {kind: {k: v for s in shards if "outer" in s for k, v in s["outer"][kind].items()}
+                 for kind in ("backup", "momentum")}
     if device is not None:
-        model, optim = to_device(model, device), to_device(optim, device)
+        model, optim, outer = to_device(model, device), to_device(optim, device), to_device(outer, device)
     for replica in replicas:
         try:
-            replica.load(model, optim)
+            replica.load(model, optim, outer=outer)
         except KeyError as missing:
             raise ResultError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
                               "replica: every copy of it was lost") from None
@@ -266,11 +301,19 @@ class IterationSamples:
     input ids of that micro-batch (micro-batch k of pipeline p holds the iteration's samples
     (offset_p + k) * b ... + b - 1, fixed by (seed, iteration) whoever computes them);
     `normaliser`, what the summed token losses are divided by (the mean over the samples that
-    count); `dropped`, the (pipeline, microbatch) whose loss counts 0 (a replayed ledger)."""
+    count); `dropped`, the (pipeline, microbatch) whose loss counts 0 (a replayed ledger);
+    `per_pipeline`, under LocalSGD or DiLoCo, each pipeline's own normaliser (its samples that
+    count), its gradients being its own (None: synchronous)."""
 
-    def __init__(self, data, iteration: int, offsets, b: int, device, normaliser: float, dropped: frozenset):
+    def __init__(self, data, iteration: int, offsets, b: int, device, normaliser: float, dropped: frozenset,
+                 per_pipeline: tuple | None = None):
         self.data, self.iteration, self.offsets, self.b, self.device = data, iteration, offsets, b, device
-        self.normaliser, self.dropped = normaliser, dropped
+        self.normaliser, self.dropped, self.per_pipeline = normaliser, dropped, per_pipeline
+
+    def present(self, plan) -> frozenset:
+        """The replica groups (ftbench.local_sgd.groups) whose samples count in this iteration."""
+        return frozenset(o for p, (o, n) in enumerate(zip(self.offsets, plan.schedule.microbatches))
+                         if any((p, k) not in self.dropped for k in range(n)))
 
     def __call__(self, pipeline: int, microbatch: int) -> torch.Tensor:
         first = (self.offsets[pipeline] + microbatch) * self.b

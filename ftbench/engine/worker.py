@@ -49,6 +49,10 @@ class StageReplica:
         # (stage input, targets on the last stage else None, the input's bytes): B/BW rebuild the rest
         self.stash: dict = {}
         self.commit: dict | None = None  # in-memory commit (Elastic Horovod): {"iteration", "shard"}
+        # DiLoCo's outer state by name: {"backup": the last sync's parameters, "momentum": the
+        # outer Nesterov buffer} (ftbench.engine.outer_sync); None otherwise
+        self.outer: dict | None = None
+        self.pre_sync: dict | None = None  # the state before a sync in flight (dist: a death may cut it)
         self._fragments: dict = {}  # units -> parameters inside them (fragment_parameters)
         self.alive = True
 
@@ -99,16 +103,23 @@ class StageReplica:
             state = self.optimizer.state.get(p)
             if state:
                 optim[name] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
-        return {"model": {n: p.detach().clone() for n, p in params.items()}, "optim": optim}
+        out = {"model": {n: p.detach().clone() for n, p in params.items()}, "optim": optim}
+        if self.outer is not None:
+            out["outer"] = {k: {n: v[n].detach().clone() for n in params} for k, v in self.outer.items()}
+        return out
 
-    def load(self, model: dict, optim: dict, grads: dict | None = None) -> None:
-        """Take weights and AdamW state from merged shards (any partition). Any recorded step
-        is forgotten (the state it would undo is replaced). With `grads` (Bamboo's refresh of
-        a redundant copy: by name, the gradients the sender's optimizer step applied, the
-        sender's pre-step state being this replica's present one), the load is that step:
-        this replica's undo records it, so undoing gives the state before the load back."""
+    def load(self, model: dict, optim: dict, grads: dict | None = None, outer: dict | None = None,
+             keep_undo: bool = False) -> None:
+        """Take weights and AdamW state (and DiLoCo's `outer` state) from merged shards (any
+        partition). Any recorded step is forgotten (the state it would undo is replaced),
+        unless `keep_undo` (a sync's heal, or its undoing: the state before the sync is the
+        state after the step). With `grads` (Bamboo's refresh of a redundant copy: by name,
+        the gradients the sender's optimizer step applied, the sender's pre-step state being
+        this replica's present one), the load is that step: this replica's undo records it,
+        so undoing gives the state before the load back."""
         opt = self.optimizer
-        self._undo.clear()
+        if not keep_undo:
+            self._undo.clear()
         if grads is not None:
             params = self.named_parameters()
             for name, p in params.items():
@@ -124,6 +135,10 @@ class StageReplica:
                 opt.state.pop(p, None)
                 if name in optim:
                     opt.state[p] = {k: _placed(v, p) for k, v in optim[name].items()}
+            if outer is not None and self.outer is not None:
+                for kind, values in self.outer.items():
+                    for name in values:
+                        values[name] = outer[kind][name].to(values[name]).clone()
 
     def reset_iteration(self) -> None:
         """Drop what an abandoned iteration left behind: stash, deferred W, gradients."""
@@ -136,8 +151,9 @@ class StageReplica:
         """Weights + gradients + AdamW moments held by this replica (the undo's gradient copy,
         `undo.bytes()`, is apart)."""
         n = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        return 2 * n + sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
-                           for v in s.values() if torch.is_tensor(v))
+        outer = sum(t.numel() * t.element_size() for v in (self.outer or {}).values() for t in v.values())
+        return 2 * n + outer + sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
+                                   for v in s.values() if torch.is_tensor(v))
 
     def destroy(self) -> None:
         if not self.alive:
@@ -150,6 +166,7 @@ class StageReplica:
         self.stash.clear()
         self.store.clear()
         self.commit = None
+        self.outer = self.pre_sync = None
         self._fragments.clear()
         self.alive = False
         self._module = self._optimizer = self._undo = None

@@ -8,6 +8,7 @@ from itertools import repeat
 
 from ftbench.costs import PlanCosts
 from ftbench.plan import Plan
+from ftbench.local_sgd import outer_sync_s
 from ftbench.recovery_costs import iteration_work_seconds
 from ftbench.schedule import check_coverage, key_bytes
 from ftbench.sim.grid import ComposedResult, GridTimer
@@ -63,6 +64,9 @@ class SimCache:
                 simulate(plan.schedule, PlanCosts(self.cost_model, plan), staggered=plan.staggered_optimizer)
             for work in self.iteration_work(plan) if self.iteration_work is not None else ():
                 result.iteration_time += iteration_work_seconds(work, plan, self.cost_model, result.iteration_time)
+            steps = getattr(self.cost_model, "local_steps", None)
+            if steps is not None:  # LocalSGD's or DiLoCo's sync, spread over the iterations between two
+                result.iteration_time += outer_sync_s(self.cost_model, plan) / steps.sync_every
             self.simulations += 1
             if self.enabled:
                 self._keep(key, result)
