@@ -77,6 +77,10 @@ def sync(plan, steps: LocalSteps, participants: frozenset, workers: dict, transp
         src = next(w for d, w in members if of[d] == source)
         healing = [w for d, w in members if of[d] not in participants]
         _heal(units, src, healing, replicas, transport)
+        if len(order) == 1:  # one replica: the sum is its own contribution (no reduction to run)
+            (d, w), = here
+            _apply(steps, replicas[w], _contribution(steps, replicas[w], of[d] in participants), count)
+            continue
         for d, w in here:
             transport.reduce_start(key, w, order, _contribution(steps, replicas[w], of[d] in participants))
         for d, w in here:
