@@ -67,9 +67,15 @@ class Case:
         return [*self.strategy_overrides, *self.setup, *self.failure_overrides]
 
     @property
+    def training(self) -> tuple[str, ...]:
+        """The training settings the strategy's draw chose (torchft's LocalSGD or DiLoCo): its
+        fault-free reference trains the same algorithm."""
+        return tuple(o for o in self.strategy_overrides if o.startswith("train."))
+
+    @property
     def reference_overrides(self) -> list[str]:
         """Fault-free training of the same setup."""
-        return ["strategy=none", *self.setup, "failures=none"]
+        return ["strategy=none", *self.training, *self.setup, "failures=none"]
 
     @property
     def description(self) -> str:
@@ -283,7 +289,7 @@ def _execute(overrides: list[str], run_dir: Path, timeout_s: float | None) -> di
             signal.signal(signal.SIGALRM, previous)
 
 
-_REFERENCES: dict[tuple[str, ...], tuple] = {}  # setup -> (losses, state) or an error string
+_REFERENCES: dict[tuple[str, ...], tuple] = {}  # training and setup -> (losses, state) or an error string
 
 
 def _replayed_reference(case: Case, ledger) -> tuple | None:
@@ -310,17 +316,18 @@ def reference_for(case: Case, workdir: Path, timeout_s: float | None = None, led
         replayed = _replayed_reference(case, ledger)
         if replayed is not None:
             return replayed
-    if case.setup not in _REFERENCES:
+    key = (*case.training, *case.setup)
+    if key not in _REFERENCES:
         run_dir = Path(tempfile.mkdtemp(prefix="reference-", dir=workdir))
         try:
             summary = _execute(case.reference_overrides, run_dir, timeout_s)
             if summary.get("status") == "ok" and summary.get("losses") and summary.get("final_state"):
-                _REFERENCES[case.setup] = (list(summary["losses"]), load_state(summary["final_state"]))
+                _REFERENCES[key] = (list(summary["losses"]), load_state(summary["final_state"]))
             else:
-                _REFERENCES[case.setup] = f"fault-free reference failed: {summary.get('status')}: {summary.get('error')}"
+                _REFERENCES[key] = f"fault-free reference failed: {summary.get('status')}: {summary.get('error')}"
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
-    return _REFERENCES[case.setup]
+    return _REFERENCES[key]
 
 
 def run_case(case: Case, workdir: Path | str | None = None, timeout_s: float | None = 300.0) -> Result:

@@ -39,6 +39,15 @@ from ftbench.strategies.base import Recovery, Strategy, StrategyConfig, Strategy
 from ftbench.transfers import peer_copies
 
 
+def _random_algorithm(rng, setup: dict) -> list[str]:
+    """The seeded random scripts draw torchft's data parallelism too: synchronous, LocalSGD or
+    DiLoCo, syncing every 1 to 4 steps (ftbench.local_sgd)."""
+    algorithm = rng.choice(("synchronous", "localsgd", "diloco"))
+    if algorithm == "synchronous":
+        return []
+    return [f"train.data_parallel={algorithm}", f"train.sync_every={rng.randint(1, 4)}"]
+
+
 @dataclass
 class TorchftConfig(StrategyConfig):
     """torchft: replica groups that drop out of the step and heal from a live peer; no settings."""
@@ -53,6 +62,7 @@ class Torchft(Strategy):
     trains_local_steps = True  # torchft's LocalSGD and DiLoCo (ftbench.local_sgd)
     tests = StrategyTests(conformance_scripts=("one failure", "failure then join", "reshape and grow back",
                                                "standby used up"),
+                          random=lambda rng, setup: _random_algorithm(rng, setup),
                           dist=("cluster.spares=1",))
 
     def plan(self, cluster: ClusterView) -> Plan:
