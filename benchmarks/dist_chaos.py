@@ -78,10 +78,11 @@ def marked(marker: str) -> list[int]:
 
 
 def trial(strategy: str, node: int, iteration: int, folder: Path, ops: int | None = None,
-          also: int | None = None) -> dict:
+          also: int | None = None, extra: tuple[str, ...] = ()) -> dict:
     """One run: node `node` fails in `iteration`, scripted, or (with `ops`) its process dies
     unannounced after `ops` of its ops there (one GPU per node: rank = node); with `also`,
-    that rank dies during the recovery from the scripted failure."""
+    that rank dies during the recovery from the scripted failure; `extra`: more overrides
+    (--set)."""
     marker = f"FTBENCH_CHAOS={uuid.uuid4().hex}"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", FTBENCH_CHAOS=marker.split("=")[1])
     failure = (f"failures.events=[{{iteration:{iteration},node:{node}}}]" if ops is None else
@@ -92,7 +93,8 @@ def trial(strategy: str, node: int, iteration: int, folder: Path, ops: int | Non
     started = time.monotonic()
     try:
         subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", f"strategy={strategy}", *SETUP,
-                        *EXTRA.get(strategy, ()), failure, *(() if ops is None else ("backend.timeout_s=60",)),
+                        *EXTRA.get(strategy, ()), *extra, failure,
+                        *(() if ops is None else ("backend.timeout_s=60",)),
                         *during,
                         f"hydra.run.dir={folder}"], cwd=ROOT, env=env, capture_output=True, timeout=DEADLINE_S)
         timed_out = False
@@ -158,6 +160,9 @@ def main(argv: list[str]) -> int:
                         help="another process dies during the recovery from the scripted failure")
     parser.add_argument("--mixed", action="store_true",
                         help="each trial one of the three kinds above, drawn from the seed")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more override for every trial, e.g. --set train.data_parallel=diloco "
+                             "--set train.sync_every=2 (repeatable)")
     args = parser.parse_args(argv)
     mode = "mixed" if args.mixed else "unannounced" if args.unannounced else \
         "during-recovery" if args.during_recovery else "scripted"
@@ -176,7 +181,7 @@ def main(argv: list[str]) -> int:
         for i in range(args.trials):
             _, node, iteration, ops, also = draw(rng, mode)
             with tempfile.TemporaryDirectory() as tmp:
-                r = trial(strategy, node, iteration, Path(tmp) / "run", ops, also)
+                r = trial(strategy, node, iteration, Path(tmp) / "run", ops, also, tuple(args.set))
             m = r.get("measured") or [{}]
             m = m[0]
             phases += r.get("measured") or []
