@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ftbench.samples import pipeline_offsets
+
 ALGORITHMS = ("synchronous", "localsgd", "diloco")  # train.data_parallel
 LOCAL = ("localsgd", "diloco")
 
@@ -72,8 +74,6 @@ def local_steps(train, counts: tuple = (), microbatch_size: int = 1) -> LocalSte
 def groups(plan) -> tuple[int, ...]:
     """Each pipeline's replica group: its first micro-batch in the iteration's numbering, the
     same whichever plan the group runs in (ftbench.samples.pipeline_offsets)."""
-    from ftbench.samples import pipeline_offsets
-
     return pipeline_offsets(plan)
 
 
