@@ -95,7 +95,8 @@ class CostModel:
         hw = self.hw
         return (self.spec, self.b, self.s, hw.peak_tflops, hw.efficiency, hw.hbm_gbps,
                 hw.intra_node_gbps, hw.inter_node_gbps, hw.link_latency_us, hw.memory_gb, self.recompute,
-                self.overlap_grad_reduce, self.overhead_s, repr(self.ops), repr(self.local_steps))
+                self.overlap_grad_reduce, self.overhead_s, repr(self.ops),
+                None if self.local_steps is None else (self.local_steps.algorithm, self.local_steps.sync_every))
 
     # -- compute ------------------------------------------------------------------------
     @lru_cache(maxsize=None)
