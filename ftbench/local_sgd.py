@@ -111,14 +111,23 @@ class SyncWindow:
             self._before = None
 
 
+def stage_members(plan) -> dict[int, list[tuple[int, int]]]:
+    """stage -> [(pipeline, worker)] in pipeline order: the replicas each stage's sync joins."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for w, held in plan.holds.items():
+        for d, s in held:
+            out.setdefault(s, []).append((d, w))
+    for members in out.values():
+        members.sort()
+    return out
+
+
 def outer_sync_s(cost_model, plan) -> float:
     """One sync on the modelled clock: each stage's ring all-reduce of its fp32 parameters over
     its replicas, one per pipeline (the stages' rings run side by side: the slowest decides)."""
-    where = {pos: w for w, held in plan.holds.items() for pos in held}
     worst = 0.0
-    for s in range(plan.schedule.stages[0]):
-        workers = [where[(d, s)] for d in range(len(plan.schedule.stages)) if (d, s) in where]
+    for s, members in stage_members(plan).items():
         params = cost_model.stage(plan.layers(0, s), s == 0, plan.is_last_stage(0, s)).params
-        one_node = len({plan.node_of[w] for w in workers}) == 1
-        worst = max(worst, cost_model.ring_s(OUTER_BYTES_PER_PARAM * params, len(workers), one_node))
+        one_node = len({plan.node_of[w] for _, w in members}) == 1
+        worst = max(worst, cost_model.ring_s(OUTER_BYTES_PER_PARAM * params, len(members), one_node))
     return worst

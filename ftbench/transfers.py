@@ -15,6 +15,17 @@ from ftbench.plan import Plan
 from ftbench.actions import CHECKPOINT_BYTES_PER_PARAM
 
 
+def group_copies(plan: Plan, source: int, pipelines, cost_model) -> list[Transfer]:
+    """Every stage of each of `pipelines` from pipeline `source`'s replica of it (LocalSGD or
+    DiLoCo, where replicas differ between syncs: a group heals from one group, ftbench.local_sgd)."""
+    copies, holder = [], {pos: w for w, held in plan.holds.items() for pos in held}
+    for s in range(plan.schedule.stages[source]):
+        layers, first, last = plan.layers(source, s), s == 0, plan.is_last_stage(source, s)
+        nbytes = CHECKPOINT_BYTES_PER_PARAM * cost_model.stage(layers, first, last).params
+        copies += [Transfer(layers, first, last, holder[(source, s)], holder[(d, s)], nbytes) for d in sorted(pipelines)]
+    return copies
+
+
 def _replicas(plan: Plan) -> dict[int, dict[tuple, tuple[int, int]]]:
     """worker -> {(layers, embedding, head): (pipeline, stage)} of the replicas it holds."""
     out: dict[int, dict] = defaultdict(dict)

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftbench.actions import CHECKPOINT_BYTES_PER_PARAM, Rendezvous, SyncFromPeers, Transfer
+from ftbench.actions import Rendezvous, SyncFromPeers
 from ftbench.cluster import ClusterView
 from ftbench.failures import FailureEvent
 from ftbench.local_sgd import heal_source
 from ftbench.plan import Plan, generated_grid_plan
 from ftbench.samples import pipeline_offsets
 from ftbench.strategies.base import Recovery, Strategy, StrategyConfig, StrategyTests, register
-from ftbench.transfers import peer_copies
+from ftbench.transfers import group_copies, peer_copies
 
 
 def _random_algorithm(rng, setup: dict) -> list[str]:
@@ -123,20 +123,8 @@ class Torchft(Strategy):
         self.active = self.active.union(ready)
         self.current = self._plan_of(self.active)
         if self.ctx.local_steps is not None:  # replicas differ between syncs: all from one group
-            copies = self._group_copies(source, ready)
+            copies = group_copies(self.full, source, ready, self.ctx.cost_model)
         else:
             live = frozenset(old.holds)
             copies = peer_copies(old, self.current, live.__contains__, self.ctx.cost_model)
         return Recovery(actions=[Rendezvous(), SyncFromPeers(tuple(copies))], plan=self.current)
-
-    def _group_copies(self, source: int, ready) -> list[Transfer]:
-        """Under LocalSGD or DiLoCo: each rejoining group's stages from group `source`'s
-        (ftbench.local_sgd.heal_source), its own state since the last sync; the group heals
-        for good at the next sync, where it takes part without contributing."""
-        plan, copies = self.full, []
-        for s in range(len(self.groups[0])):
-            layers, first, last = plan.layers(source, s), s == 0, plan.is_last_stage(source, s)
-            nbytes = CHECKPOINT_BYTES_PER_PARAM * self.ctx.cost_model.stage(layers, first, last).params
-            for d in sorted(ready):
-                copies.append(Transfer(layers, first, last, self.groups[source][s], self.groups[d][s], nbytes))
-        return copies

@@ -25,10 +25,10 @@ from ftbench.engine.executor import Executor, IterationResult
 from ftbench.engine.state import EngineState, load_shards, newest_commits
 from ftbench.engine.worker import StageReplica
 from ftbench.errors import ReplayUnavailable, ResultError
-from ftbench.engine.outer_sync import stage_members
 from ftbench.layers import fragment_layout, model_layers, stage_units
 from ftbench.local_sgd import groups, heal_source
 from ftbench.plan import checkpoint_writers
+from ftbench.transfers import group_copies
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}  # the choices of backend.dtype
 
@@ -117,18 +117,12 @@ class LocalEngine(EngineState):
         healed it from (ftbench.local_sgd.heal_source over the groups that went on)."""
         last = self.window.last
         back = present - last
-        if not last or not back:
-            return
-        source = heal_source(last & present)
-        members = stage_members(self.plan)
-        of = groups(self.plan)
-        for s, held in members.items():
-            src_d, src = next((d, w) for d, w in held if of[d] == source)
-            shard = self.workers[src].replica(self.plan.layers(src_d, s)).shard()
-            for d, w in held:
-                if of[d] in back:
-                    replica = self.workers[w].replica(self.plan.layers(d, s))
-                    replica.load(shard["model"], shard["optim"], outer=shard.get("outer"))
+        if last and back:
+            of = groups(self.plan)
+            pipeline = {group: d for d, group in enumerate(of)}
+            source = pipeline[heal_source(last & present)]
+            self.copy_replicas(group_copies(self.plan, source, [pipeline[g] for g in back], self.ctx.cost_model),
+                               self.plan)
 
     def replay(self, workers, since: int, until: int, chunks: int = 1) -> None:
         """Swift's logging-based recovery, done for real: `workers` load their replicas from

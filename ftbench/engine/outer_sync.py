@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ftbench.layers import Units, model_layers, stage_units
-from ftbench.local_sgd import LocalSteps, groups, heal_source
+from ftbench.local_sgd import LocalSteps, groups, heal_source, stage_members
 
 
 @dataclass(frozen=True)
@@ -40,17 +40,6 @@ def new_outer_state(replica) -> dict:
     params = replica.named_parameters()
     return {"backup": {n: p.detach().clone() for n, p in params.items()},
             "momentum": {n: torch.zeros_like(p) for n, p in params.items()}}
-
-
-def stage_members(plan) -> dict[int, list[tuple[int, int]]]:
-    """stage -> [(pipeline, worker)] in pipeline order: the replicas each stage's sync joins."""
-    out: dict[int, list[tuple[int, int]]] = {}
-    for w, held in plan.holds.items():
-        for d, s in held:
-            out.setdefault(s, []).append((d, w))
-    for members in out.values():
-        members.sort()
-    return out
 
 
 def sync(plan, steps: LocalSteps, participants: frozenset, workers: dict, transport, keep: bool = False) -> None:
