@@ -61,6 +61,11 @@ class Backend(Protocol):
     def run_iteration(self, plan: Plan, iteration: int) -> float | None:
         """Train one whole iteration of `plan`; its loss (None where nothing is computed)."""
 
+    def finish_without(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int],
+                       touched: frozenset) -> float | None:
+        """A failure cuts the pipelines `touched` at `completed` (Strategy.finishes_local_step):
+        the others finish the iteration and its sync among themselves; their loss."""
+
     def strike(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int]) -> int | None:
         """A failure: the ops in `completed` of `iteration` have run (optimizer steps among
         them), then `dead_workers` lose all their state and survivors drop the iteration in
@@ -410,10 +415,14 @@ class RunLoop:
         cut, the metrics line says how many optimizer steps had completed (`stepped`, from the
         resolved point: the same on every backend that cuts) and how many replicas the
         backend undid (`undone`)."""
+        dead = self._workers_on(event.node)
+        untouched = self._untouched(dead) if fraction > 0 else frozenset()
+        if untouched:
+            self._finish_without(event, fraction, timeline, T, dead)
+            return
         if self.modelled:
             self.t += fraction * T
         completed = self._point(timeline, fraction) if fraction > 0 and self.backend.cuts_ops else frozenset()
-        dead = self._workers_on(event.node)
         t_fail = self.now()
         self.cluster.fail(event.node)
         self.out.failures += 1
@@ -428,6 +437,65 @@ class RunLoop:
         self.log({"event": "fail", "node": event.node, "time_s": t_fail, "iteration": self.it, **extra})
         self._lose_unpersisted(event.node)
         self._ask_strategy(event)
+
+    def _untouched(self, dead: list[int]) -> frozenset:
+        """The pipelines of the plan a failure of `dead` leaves alone, where the strategy lets
+        them finish the iteration (Strategy.finishes_local_step, under LocalSGD or DiLoCo);
+        else none."""
+        if self.ctx.local_steps is None or not getattr(self.strategy, "finishes_local_step", False):
+            return frozenset()
+        holds = self.plan.holds
+        touched = {d for w in dead for d, _ in holds.get(w, ())}
+        return frozenset(d for held in holds.values() for d, _ in held) - touched
+
+    def _finish_without(self, event: FailureEvent, fraction: float, timeline: SimResult, T: float,
+                        dead: list[int]) -> None:
+        """A failure `fraction` into the iteration under torchft's LocalSGD or DiLoCo: the
+        replica groups it does not touch wait on no other group until the sync, so they finish
+        the iteration's local step (nothing of theirs is undone) and its sync among themselves
+        (the backend's `finish_without`); the iteration counts their samples. The strategy
+        recovers at the iteration's end, as at the next one's start. The metrics line says how
+        many optimizer steps had completed when it struck (`stepped`) and which pipelines
+        finished (`finished`). Should another death cut the survivors' sync (dist), they roll
+        the iteration back as from any death found in it, and it is redone."""
+        completed = self._point(timeline, fraction) if self.backend.cuts_ops else frozenset()
+        holds, it = self.plan.holds, self.it
+        touched = frozenset(d for w in dead for d, _ in holds.get(w, ()))
+        t_start, started = self.t, self._wall()
+        if self.modelled:
+            self.t += fraction * T
+        fail = {"event": "fail", "node": event.node, "time_s": self.now(), "iteration": it}
+        self.cluster.fail(event.node)
+        self.out.failures += 1
+        if self.backend.cuts_ops:
+            fail["stepped"] = sum(op.kind == OPT for op in completed)
+        try:
+            loss = self.backend.finish_without(self.plan, it, completed, dead, touched)
+        except FailuresDiscovered as found:  # dist: a death cut the survivors' sync, rolled back
+            self.log(fail)
+            self._lose_unpersisted(event.node)
+            self._ask_strategy(event)
+            self._discovered(found)
+            return
+        fail["finished"] = sorted(self._untouched(dead))
+        self.log(fail)  # (after the backend: on dist the leader may be among the dead)
+        self._lose_unpersisted(event.node)
+        measured = self._wall() - started
+        if self.modelled:
+            self.t = t_start + T
+        if not self.backend.jumps:
+            self.out.losses[it] = math.nan if loss is None else loss
+        self._segment(it, it)
+        self.kept.add(it, 1, T if self.modelled else measured)
+        self.ledger.add(it, 1, sample_ranges(self.plan, self.ctx.microbatch_size, touched))
+        self.it += 1
+        self.log({"event": "iteration", "iteration": it, "loss": loss, "iteration_s": measured,
+                  "time_s": self.now(), "samples": self.ledger.samples(), "plan": self.plan.name,
+                  "without": sorted(touched)})
+        if self.progress is not None:
+            self.progress(self.it, self.now())
+        if self.it < self.ctx.iterations:
+            self._ask_strategy(FailureEvent(event.node, iteration=self.it))
 
     def _workers_on(self, node: int) -> list[int]:
         """The plan's workers on `node`, in the plan's order: where at most one, the node's

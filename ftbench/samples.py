@@ -26,14 +26,16 @@ def pipeline_offsets(plan) -> tuple[int, ...]:
     return tuple(out)
 
 
-def sample_ranges(plan, microbatch_size: int) -> tuple[tuple[int, int], ...]:
+def sample_ranges(plan, microbatch_size: int, without: frozenset = frozenset()) -> tuple[tuple[int, int], ...]:
     """The samples one iteration of `plan` trains, as sorted, merged [first, end) ranges of the
-    iteration's numbering (memoised on the plan: 2,048 pipelines at scale)."""
+    iteration's numbering (memoised on the plan: 2,048 pipelines at scale); `without`, pipelines
+    whose samples do not count (a failure's groups under torchft's LocalSGD or DiLoCo)."""
     memo = plan.__dict__.get("_ranges_memo")
-    if memo is not None and memo[0] == microbatch_size:
+    if not without and memo is not None and memo[0] == microbatch_size:
         return memo[1]
     pieces = sorted((o * microbatch_size, (o + c) * microbatch_size)
-                    for o, c in zip(pipeline_offsets(plan), plan.schedule.microbatches) if c > 0)
+                    for d, (o, c) in enumerate(zip(pipeline_offsets(plan), plan.schedule.microbatches))
+                    if c > 0 and d not in without)
     merged: list[list[int]] = []
     for first, end in pieces:
         if merged and first <= merged[-1][1]:
@@ -41,7 +43,8 @@ def sample_ranges(plan, microbatch_size: int) -> tuple[tuple[int, int], ...]:
         else:
             merged.append([first, end])
     ranges = tuple((a, b) for a, b in merged)
-    plan.__dict__["_ranges_memo"] = (microbatch_size, ranges)
+    if not without:
+        plan.__dict__["_ranges_memo"] = (microbatch_size, ranges)
     return ranges
 
 

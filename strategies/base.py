@@ -71,6 +71,11 @@ class Strategy:
     # replicas of a stage differ between syncs: a strategy whose checkpoints or copies take one
     # replica per stage for all of them cannot.
     trains_local_steps: ClassVar[bool] = False
+    # Under LocalSGD or DiLoCo: whether a failure leaves the replica groups it does not touch
+    # alone. They finish the iteration's local step and its sync among themselves, as nothing
+    # ties one group to another between syncs, and the strategy recovers at the iteration's
+    # end (torchft; RunLoop._finish_without). False: the iteration is undone and redone.
+    finishes_local_step: ClassVar[bool] = False
     # A folder inside the run folder where the strategy's own files go (Swift's boundary logs),
     # or None.
     log_dir: str | None = None

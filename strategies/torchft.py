@@ -8,6 +8,12 @@ survivors in their own processes) and redo the step without it, then go on. Noth
 back and no checkpoint is read, but the global batch is smaller while a group is out: its
 samples are dropped, and the run's samples ledger says which (ftbench.samples).
 
+Under LocalSGD or DiLoCo (train.data_parallel) a step ties no group to another: the quorum
+is taken at the sync. A failure then leaves the groups it does not touch alone: they finish
+the iteration's local step and its sync among themselves, nothing of theirs undone, and the
+quorum without the failed group is agreed at the iteration's end (`finishes_local_step`,
+ftbench.loop.RunLoop._finish_without).
+
 The failed node's replacement (a standby, else a new node after `cluster.replacement_s`)
 starts the group's processes (`hardware.restart_s`) while training goes on, then joins
 (`Recovery.later`). A group whose nodes are all up again rejoins at the next step: a new
@@ -60,6 +66,7 @@ class Torchft(Strategy):
     config = TorchftConfig
     keeps_global_batch = False
     trains_local_steps = True  # torchft's LocalSGD and DiLoCo (ftbench.local_sgd)
+    finishes_local_step = True  # between syncs no group waits on another (torchft's quorum is at the sync)
     tests = StrategyTests(conformance_scripts=("one failure", "failure then join", "reshape and grow back",
                                                "standby used up"),
                           random=lambda rng, setup: _random_algorithm(rng, setup),

@@ -10,6 +10,7 @@ from conftest import compose, run
 from ftbench.context import RunContext
 from ftbench.engine.worker import make_optimizer
 from ftbench.equivalence import compare, load_state
+from ftbench.metrics import read_metrics
 from ftbench.fault_free import fault_free_reference
 from ftbench.models.data import batch, make_source
 from ftbench.models.gpt import init_full_model, lm_loss_sum
@@ -125,6 +126,75 @@ def test_the_replayed_check_sees_another_heal_or_another_ledger(tmp_path, monkey
 
     monkeypatch.setattr(local_engine, "heal_source", max)  # group 2's state instead of group 0's
     assert compare(summary["losses"], state, *fault_free_reference(cfg, ctx, replay=replay)) is not None
+
+
+# Two failures after every stage stepped (at 0.97), each leaving other groups alone: DiLoCo
+# syncing every step in float32, the setup of the seeded random script (ftbench.chaos 1
+# torchft) that first showed the undo's rounding amplified by the outer momentum
+KEPT = ("cluster.dp=3", "train.iterations=7", "train.microbatches=3", "train.data_parallel=diloco",
+        "train.sync_every=1", "strategy=torchft", "failures=scripted", "failures.at=0.97",
+        "failures.events=[{iteration:0,node:2},{iteration:1,node:0}]", "backend.dtype=float32")
+
+
+def test_groups_a_failure_leaves_alone_keep_their_local_step(tmp_path, monkeypatch):
+    """torchft under DiLoCo: the groups a failure does not touch finish the iteration and its
+    sync among themselves, nothing of theirs undone, and in float32 the run is fault-free
+    training replayed under its ledger bit for bit. Redoing the iteration instead (as under
+    synchronous training) undoes their steps: no longer bit for bit, the undo's rounding."""
+    import strategies.torchft as torchft
+
+    kept = run(tmp_path / "kept", "backend=local", "backend.clock=model", *TINY, *KEPT)
+    fails = [r for r in read_metrics(tmp_path / "kept" / "metrics.jsonl") if r["event"] == "fail"]
+    # group 1 (node 2) out of iteration 0: groups 0 and 2 finish it; group 0 (node 0) out of
+    # iteration 1: group 2, the second pipeline of the plan then, finishes it
+    assert [(f["iteration"], f["finished"], "undone" in f) for f in fails] == [(0, [0, 2], False), (1, [1], False)]
+    assert all(f["stepped"] > 0 for f in fails)
+    g = kept["global_batch"] // 3  # each group's samples
+    assert kept["ledger"] == [[0, 0, 2 * g, [[0, g], [2 * g, 3 * g]]], [1, 6, g, [[2 * g, 3 * g]]]]
+    assert [r["iteration"] for r in kept["recoveries"]] == [1, 2]  # at the end of the iteration struck
+    assert kept["matches_fault_free"] is True
+    assert kept["fault_free_difference_max"]["weights"] == 0 and kept["fault_free_difference_max"]["loss"] == 0
+
+    monkeypatch.setattr(torchft.Torchft, "finishes_local_step", False)
+    redone = run(tmp_path / "redone", "backend=local", "backend.clock=model", *TINY, *KEPT)
+    fails = [r for r in read_metrics(tmp_path / "redone" / "metrics.jsonl") if r["event"] == "fail"]
+    assert all(f["undone"] > 0 for f in fails) and redone["ledger"] == kept["ledger"]
+    assert redone["fault_free_difference_max"]["weights"] > 0
+
+
+def test_a_failure_mid_schedule_leaves_the_other_groups_to_finish(tmp_path):
+    """1F1B over pp 4 x dp 2, a node of group 0 failing half-way through iteration 1: group 1
+    is then between its backwards and has stepped some stages, not all. It finishes the
+    iteration alone (its steps wait on no other group's backward), and local equals the
+    replayed reference bit for bit and agrees with sim."""
+    overrides = ("model=gpt-tiny", "cluster.pp=4", "cluster.dp=2", "cluster.gpus_per_node=2", "schedule=1f1b",
+                 "train.microbatches=3", "train.iterations=4", "train.data_parallel=localsgd", "train.sync_every=2",
+                 "strategy=torchft", "failures=scripted", "failures.events=[{iteration:1,node:1,at:0.6}]",
+                 "report.gantt=false")
+    local = run(tmp_path / "local", "backend=local", "backend.clock=model", *overrides)
+    sim = run(tmp_path / "sim", "backend=sim", *overrides)
+    assert local["status"] == sim["status"] == "ok" and local["ledger"] == sim["ledger"]
+    assert local["recoveries"][0]["iteration"] == 2 and local["syncs"][0][2] == [1]  # group 1 alone
+    fail, = [r for r in read_metrics(tmp_path / "local" / "metrics.jsonl") if r["event"] == "fail"]
+    assert 0 < fail["stepped"] < 4 and fail["finished"] == [1]  # some stages had stepped, not all
+    assert local["fault_free_difference_max"] == {**local["fault_free_difference_max"], "loss": 0.0, "weights": 0.0}
+
+
+def test_sim_charges_the_whole_iteration_a_failure_leaves_alone_and_no_redo(tmp_path):
+    """On sim, torchft under DiLoCo: the iteration struck half-way counts whole for the groups
+    that finish it, and nothing is redone; synchronous torchft loses the half and redoes it."""
+    overrides = ("backend=sim", *TINY, *(o for o in TORCHFT if "sync_every" not in o), "failures.at=0.5")
+    diloco = ("train.data_parallel=diloco", "train.sync_every=3")
+    free = run(tmp_path / "free", "backend=sim", *TINY, "cluster.dp=3", "train.iterations=9", *diloco,
+               "strategy=none", "failures=none")
+    diloco = run(tmp_path / "diloco", *overrides, *diloco)
+    synchronous = run(tmp_path / "sync", *overrides)
+    assert free["status"] == diloco["status"] == synchronous["status"] == "ok"
+    T = free["iteration_time_s"]
+    recovered = sum(r["recovery_s"] for r in diloco["recoveries"])
+    assert diloco["time_s"] == pytest.approx(9 * T + recovered, rel=1e-9)
+    assert diloco["productive_s"] == pytest.approx(9 * T, rel=1e-9)
+    assert synchronous["productive_s"] < synchronous["time_s"] - sum(r["recovery_s"] for r in synchronous["recoveries"])
 
 
 def test_sim_and_local_agree_under_diloco(tmp_path):

@@ -135,8 +135,32 @@ class DistBackend:
             raise
 
     def strike(self, plan, iteration, completed, dead_workers) -> None:
-        from ftbench.distributed.membership import Fenced, MembershipError, agree, detect
+        node, victims = self._cut(plan, iteration, completed, dead_workers)
+        undone = self.engine.abandon_iteration()  # survivors that stepped go back to the iteration's start
+        self._regroup(node, victims, iteration)
+        if not any(op.kind == OPT for op in completed):
+            return 0  # nothing stepped: no rank undid anything (and no sum to wait for)
+        return self._job_undone(undone, f"the failure in iteration {iteration}")
 
+    def finish_without(self, plan, iteration, completed, dead_workers, touched) -> float:
+        """RunLoop._finish_without on dist: the failed node's processes die at `completed`,
+        the pipelines it does not touch run the rest of their ops, the survivors regroup, and
+        the untouched pipelines end the iteration, its sync among themselves
+        (DistEngine.finish_without). A death found meanwhile rolls the iteration back
+        (FailuresDiscovered), as in any iteration."""
+        finishing = frozenset(completed).union(op for ops in plan.schedule.ops.values() for op in ops
+                                                if op.pipeline not in touched)
+        node, victims = self._cut(plan, iteration, finishing, dead_workers)
+        self._regroup(node, victims, iteration)
+        try:
+            return self.engine.finish_without(plan, iteration, touched)
+        except (DistError, RuntimeError) as err:  # a wait that ended badly: did a process die?
+            self._unannounced(err, plan, iteration)  # raises FailuresDiscovered, or the error
+            raise
+
+    def _cut(self, plan, iteration: int, completed: frozenset, dead_workers) -> tuple[int, set]:
+        """The scripted failure of the node of `dead_workers`: every rank runs its ops in
+        `completed`, then the node's processes die. (the node, its ranks)"""
         engine, t = self.engine, self.engine.transport
         if self.store is None:
             raise DistError("failures on backend=dist need the job's store (the launcher's per-node layout)")
@@ -148,7 +172,14 @@ class DistBackend:
             engine.run_iteration(plan, iteration, completed=completed)
         if t.rank in victims:
             die("its node fails here (the failure script): every process of it")
-        undone = engine.abandon_iteration()  # survivors that stepped go back to the iteration's start
+        return node, victims
+
+    def _regroup(self, node: int, victims: set, iteration: int) -> None:
+        """The survivors find the dead, agree on them and regroup without them; the measured
+        phases wait for the recovery (`_pending`)."""
+        from ftbench.distributed.membership import Fenced, MembershipError, agree, detect
+
+        t = self.engine.transport
         try:
             dead, _ = detect(self.store, t.alive, t.timeout_s)
             detected = time.time()
@@ -168,9 +199,6 @@ class DistBackend:
             del self.node_of_rank[r]
         phases = self._slowest(_phases(t.rank, death, detected, agreed, time.time()))
         self._pending = {"iteration": iteration, "node": node, "dead_ranks": sorted(dead), **phases}
-        if not any(op.kind == OPT for op in completed):
-            return 0  # nothing stepped: no rank undid anything (and no sum to wait for)
-        return self._job_undone(undone, f"the failure in iteration {iteration}")
 
     def _slowest(self, phases: dict) -> dict:
         """The phases of the survivor that regrouped last after a death (every survivor calls

@@ -62,6 +62,7 @@ class DistEngine(EngineState):
         self.rank = transport.rank
         self._steps = None  # (plan key, steps, loss slots, members, syncs each OPT waits for)
         self._crc = (None, 0)  # (plan, its fingerprint)
+        self._outs: dict = {}  # LocalSGD or DiLoCo: loss slot -> (pipeline, own mean), this iteration's
         self.peak_memory = 0  # this rank's peak (its worker's, whichever worker it runs)
 
     # -- state ----------------------------------------------------------------------------
@@ -140,6 +141,7 @@ class DistEngine(EngineState):
         normaliser = tokens.normaliser
         world = self.transport.world
         vector = torch.zeros(len(slots) + 2 * world, dtype=torch.float64, device=self.device)
+        self._outs = {}
         if self.worker is not None:
             extra = {} if self.recompute == "none" else {"recompute": self.recompute}
             transport = self.transport if completed is None else _CutTransport(self.transport, plan, completed)
@@ -165,6 +167,8 @@ class DistEngine(EngineState):
                     timer.record(self.rank, op, started, op_clock())
                 if share is not None:
                     vector[slots[op]] = share
+                    if executor.outs:  # LocalSGD or DiLoCo: the pipeline's own mean (finish_without)
+                        self._outs[slots[op]] = executor.outs.pop()
             if dies_after is not None:
                 die("backend.kill: unannounced, past this worker's last op of the iteration")
             for sync in late:
@@ -174,26 +178,50 @@ class DistEngine(EngineState):
             self._track_memory()
         if completed is not None:
             return None
+        return self._end_iteration(plan, iteration, tokens, vector, len(slots), timed=True)
+
+    def finish_without(self, plan, iteration: int, touched: frozenset) -> float:
+        """After `run_iteration` cut at the ops that finish the pipelines a failure left alone
+        and the regroup without the dead (RunLoop._finish_without): the touched pipelines' live
+        replicas drop the iteration, and the others end it, their sync among themselves and
+        the loss over their samples (ftbench.engine.executor.finished_loss, in the same order)."""
+        self.abandon_pipelines(plan, touched)
+        _, slots, _, _ = self._plan_steps(plan)
+        samples = self.samples(plan, iteration, without=touched)
+        vector = torch.zeros(len(slots) + 2 * self.transport.world, dtype=torch.float64, device=self.device)
+        for slot, (pipeline, out) in self._outs.items():
+            if pipeline not in touched:
+                vector[slot] = out * (samples.per_pipeline[pipeline] / samples.normaliser)
+        return self._end_iteration(plan, iteration, samples, vector, len(slots), without=touched)
+
+    def _end_iteration(self, plan, iteration: int, tokens, vector, n_slots: int, timed: bool = False,
+                       without: frozenset = frozenset()) -> float:
+        """Every rank's ops of the iteration are done: the LocalSGD/DiLoCo sync, then the loss
+        sum with every rank's iteration and plan fingerprint, checked; the steps stand (and
+        with `timed`, an iteration whose ops were being timed is kept)."""
+        self._outs = {}
+        world = self.transport.world
         # LocalSGD's or DiLoCo's window, on every rank (a standby may take a group's worker
         # over), and its sync, undone if a death cuts it (abandon_iteration)
-        self.after_ops(plan, iteration, tokens, keep=True)
-        vector[len(slots) + self.rank] = iteration + 1
+        self.after_ops(plan, iteration, tokens, keep=True, without=without)
+        vector[n_slots + self.rank] = iteration + 1
         if self._crc[0] is not plan:
             self._crc = (plan, plan_crc(plan))
-        vector[len(slots) + world + self.rank] = self._crc[1]
+        vector[n_slots + world + self.rank] = self._crc[1]
         self.transport.all_sum(vector, f"end iteration {iteration} with every rank (the loss sum)")
-        marks = vector[len(slots):].tolist()
+        marks = vector[n_slots:].tolist()
         alive = self.transport.alive  # the dead left zeros
         its, crcs = [marks[r] for r in alive], [marks[world + r] for r in alive]
         if len(set(its)) != 1 or len(set(crcs)) != 1:
             raise DistError(f"the ranks' run loops disagree at iteration {iteration}: iterations "
                             f"{[int(m) - 1 for m in its]}, plan fingerprints {[int(m) for m in crcs]} (ranks {alive})")
         self._commit_steps()  # every rank ended the iteration: its steps stand
-        self.op_timer.end()  # an iteration being timed (this rank's worker's ops) completed
+        if timed:
+            self.op_timer.end()  # an iteration being timed (this rank's worker's ops) completed
         if self.boundary_log is not None:
             self.boundary_log.seal(iteration)  # only now: a death before the sum abandons the iteration
         loss = torch.zeros((), dtype=torch.float64)
-        for share in vector[:len(slots)].cpu():
+        for share in vector[:n_slots].cpu():
             loss += share  # the global order, as the local driver adds
         return float(loss)
 

@@ -44,6 +44,20 @@ class IterationResult:
     loss: float  # the global batch's mean loss (valid when complete)
     ops_run: int
     complete: bool
+    # under LocalSGD or DiLoCo: (pipeline, its last stage's mean loss over its own samples), in
+    # the order the shares were summed, for a loss over fewer pipelines (finished_loss)
+    outs: tuple = ()
+
+
+def finished_loss(outs, samples) -> float:
+    """The iteration's mean loss over the samples that count in `samples` (IterationSamples,
+    LocalSGD or DiLoCo), from the pipelines' own means `outs`: each rescaled as
+    WorkerExecutor._share does, in the same order (a pipeline that does not count adds 0)."""
+    loss = None
+    for pipeline, out in outs:
+        share = out * (samples.per_pipeline[pipeline] / samples.normaliser)
+        loss = share if loss is None else loss + share
+    return 0.0 if loss is None else float(loss)
 
 
 def step_members(plan, sync: GradientSync, local_steps) -> tuple[int, ...]:
@@ -81,6 +95,7 @@ class WorkerExecutor:
         # LocalSGD or DiLoCo: each pipeline's own normaliser (ftbench.engine.state.IterationSamples)
         self.per_pipeline = getattr(tokens, "per_pipeline", None)
         self.recompute = recompute == "full"
+        self.outs: list = []  # LocalSGD or DiLoCo: (pipeline, own mean loss) of each last-stage forward
         self._batches: dict = {}
         self._redundant_inputs: dict = {}  # (pipeline, micro-batch) -> own output, for RF
         self._n_layers = model_layers(plan.partition)
@@ -97,6 +112,7 @@ class WorkerExecutor:
         counts (under LocalSGD or DiLoCo, rescaled from its pipeline's own mean)."""
         share = out.detach().to(torch.float64)
         if self.per_pipeline is not None:
+            self.outs.append((pipeline, share))
             share = share * (self.per_pipeline[pipeline] / self.normaliser)
         return share
 
@@ -351,13 +367,14 @@ class Executor:
         `timer` (ftbench.engine.op_times.OpTimer) gets every op's start and end."""
         deps, order, members = self.graph(plan)
         if completed is not None:
-            _check_closed(plan, deps, completed)
+            _check_closed(plan, deps, completed, members)
         where = plan.schedule.index()
         transport = transport if transport is not None else self.transport
         execs = {w: WorkerExecutor(self.workers[w], transport, plan, tokens, normaliser, self.recompute)
                  for w in plan.workers}
         needed = None if completed is None else {s for op in completed if op.kind == OPT for s in deps[op]}
         loss = None  # summed where the shares are (a GPU's loss is read once, at the end)
+        outs = []
         ran = 0
         for node in order:
             if isinstance(node, GradientSync):
@@ -377,10 +394,13 @@ class Executor:
             if share is not None:
                 share = share.to(torch.float64)
                 loss = share if loss is None else loss + share
+                mine = execs[where[node]].outs
+                if mine:
+                    outs.append(mine.pop())
             ran += 1
         if completed is not None:
-            return IterationResult(float("nan"), ran, False)
-        return IterationResult(0.0 if loss is None else float(loss), ran, True)
+            return IterationResult(float("nan"), ran, False, tuple(outs))
+        return IterationResult(0.0 if loss is None else float(loss), ran, True, tuple(outs))
 
 
 def in_chunk(op: Op, k: int, chunks: int, counts) -> bool:
@@ -410,15 +430,18 @@ def sum_chunks(params, parts: list[list]) -> None:
             p.grad = total
 
 
-def _check_closed(plan, deps: dict, completed) -> None:
+def _check_closed(plan, deps: dict, completed, members: dict) -> None:
     """A failure point must be a state the ops could reach: every op's producers and its
-    worker's earlier ops are in it (a sync counts when all its inputs are)."""
+    worker's earlier ops are in it (a sync counts when all its inputs are; one with no
+    `members`, under LocalSGD or DiLoCo, ties nothing)."""
     for ops in plan.schedule.ops.values():
         for before, op in zip(ops, ops[1:]):
             if op in completed and before not in completed:
                 raise ValueError(f"{op} is completed but its worker's earlier {before} is not")
     for op in completed:
         for d in deps[op]:
+            if isinstance(d, GradientSync) and not members[d]:
+                continue  # LocalSGD or DiLoCo: no sum, each replica steps on its own gradients
             missing = [x for x in deps[d] if x not in completed] if isinstance(d, GradientSync) \
                 else ([] if d in completed else [d])
             if missing:

@@ -21,7 +21,7 @@ from ftbench.checkpoint import CheckpointStore
 from ftbench.engine.boundary_log import BoundaryLog, ReplayTransport, unusable_replay
 from ftbench.engine.iteration_work import performing
 from ftbench.engine.log_file import LogInvalid, replay_sources
-from ftbench.engine.executor import Executor, IterationResult
+from ftbench.engine.executor import Executor, IterationResult, finished_loss
 from ftbench.engine.state import EngineState, load_shards, newest_commits
 from ftbench.engine.worker import StageReplica
 from ftbench.errors import ReplayUnavailable, ResultError
@@ -110,6 +110,22 @@ class LocalEngine(EngineState):
             if log is not None:
                 log.seal(iteration)
         return result
+
+    def finish_without(self, iteration: int, completed: frozenset, dead, touched: frozenset) -> float:
+        """A failure cut the pipelines `touched` at `completed` (RunLoop._finish_without): the
+        other pipelines run the rest of their ops, their local steps stand, `dead` lose their
+        state, the touched pipelines' live replicas drop the iteration, and the iteration's
+        sync (if due) joins the others. The loss over their samples."""
+        plan = self.plan
+        finishing = frozenset(completed).union(op for ops in plan.schedule.ops.values() for op in ops
+                                                if op.pipeline not in touched)
+        result = self.run_iteration(iteration, completed=finishing)
+        self.destroy(dead)
+        self.abandon_pipelines(plan, touched)
+        samples = self.samples(plan, iteration, without=touched)
+        self.after_ops(plan, iteration, samples, without=touched)
+        self._commit_steps()
+        return finished_loss(result.outs, samples)
 
     def _rejoin_replayed(self, present: frozenset) -> None:
         """Fault-free training replayed under a ledger, LocalSGD or DiLoCo: a group that trains

@@ -42,16 +42,19 @@ def new_outer_state(replica) -> dict:
             "momentum": {n: torch.zeros_like(p) for n, p in params.items()}}
 
 
-def sync(plan, steps: LocalSteps, participants: frozenset, workers: dict, transport, keep: bool = False) -> None:
+def sync(plan, steps: LocalSteps, participants: frozenset, workers: dict, transport, keep: bool = False,
+         without: frozenset = frozenset()) -> None:
     """The sync after a sync iteration of `plan`: `participants`, the groups (ftbench.local_sgd.groups)
     that trained the whole window; `workers`, this process's (the others' replicas are reached
     through `transport`). With `keep`, each replica first keeps its state (`pre_sync`), so a
-    death in the middle of the sync can put it back (EngineState.abandon_iteration)."""
+    death in the middle of the sync can put it back (EngineState.abandon_iteration).
+    `without`: pipelines a failure cut in this iteration, which take no part."""
     of = groups(plan)
     n_layers = model_layers(plan.partition)
     source = heal_source(participants.intersection(of))
     count = len(participants.intersection(of))
     for s, members in sorted(stage_members(plan).items()):
+        members = [(d, w) for d, w in members if d not in without]
         d0 = members[0][0]
         units = stage_units(plan.layers(d0, s), s == 0, plan.is_last_stage(d0, s), n_layers)
         key = OuterSync(units, tuple((d, s) for d, _ in members))

@@ -116,15 +116,19 @@ class EngineState:
         return [r for worker in self.workers.values() if worker.alive for r in worker.replicas.values()]
 
     # -- an iteration ---------------------------------------------------------------------------
-    def samples(self, plan, iteration: int) -> "IterationSamples":
+    def samples(self, plan, iteration: int, without: frozenset = frozenset()) -> "IterationSamples":
         """The samples of `iteration` under `plan`: tokens(pipeline, microbatch) on this
         engine's device, the loss's normaliser, and (replaying a ledger) the micro-batches
-        that do not count."""
+        that do not count; `without`, pipelines whose samples do not count (a failure's
+        groups under torchft's LocalSGD or DiLoCo: RunLoop._finish_without)."""
         b = self.ctx.microbatch_size
         offsets = pipeline_offsets(plan)
         ranges = self.replayed.get(iteration) if self.replayed is not None else None
         dropped = frozenset()
-        if ranges is None:
+        if ranges is None and without:
+            ranges = sample_ranges(plan, b, without)
+            dropped = frozenset((p, k) for p in without for k in range(plan.schedule.microbatches[p]))
+        elif ranges is None:
             ranges = sample_ranges(plan, b)
         else:  # fault-free training replayed under a ledger: what it did not train contributes 0
             dropped = frozenset((p, k) for p, (o, n) in enumerate(zip(offsets, plan.schedule.microbatches))
@@ -137,16 +141,18 @@ class EngineState:
         return IterationSamples(self.data, iteration, offsets, b, self.device, float(count(ranges) * tokens),
                                 dropped, per_pipeline)
 
-    def after_ops(self, plan, iteration: int, samples: "IterationSamples", keep: bool = False) -> None:
+    def after_ops(self, plan, iteration: int, samples: "IterationSamples", keep: bool = False,
+                  without: frozenset = frozenset()) -> None:
         """The iteration's ops are all done: under LocalSGD or DiLoCo, its groups count in the
-        window, and a sync iteration syncs (ftbench.engine.outer_sync; with `keep`, undoably)."""
+        window, and a sync iteration syncs (ftbench.engine.outer_sync; with `keep`, undoably;
+        without the pipelines `without`, which a failure cut)."""
         steps = self.local_steps
         if steps is None:
             return
         self.window.trained(steps, iteration, samples.present(plan))
         if steps.syncs_after(iteration):
             outer_sync(plan, steps, self.window.through, {w: x for w, x in self.workers.items() if x.alive},
-                       self.transport, keep=keep)
+                       self.transport, keep=keep, without=without)
 
     def _commit_steps(self) -> None:
         """The iteration's optimizer steps can no longer be abandoned: drop their undo records."""
@@ -160,22 +166,28 @@ class EngineState:
         optimizer step undo it (ftbench.engine.undo: back to the iteration's start), and its
         stash, deferred W, gradients and every message and sum in flight are dropped. Returns
         the replicas undone here."""
-        undone = 0
         self.window.revert()
-        for replica in self._replicas():
-            if replica.pre_sync is not None:  # a sync the death cut: back to the state after the step
-                kept, replica.pre_sync = replica.pre_sync, None
-                replica.load(kept["model"], kept["optim"], outer=kept.get("outer"), keep_undo=True)
-            if replica.undo.recorded:
-                replica.undo.undo()
-                undone += 1
-            replica.reset_iteration()
+        undone = sum(map(_abandon, self._replicas()))
         if self.boundary_log is not None:
             self.boundary_log.discard_open()  # an abandoned iteration's sends are not logged
+        self._clear_transport()
+        return undone
+
+    def abandon_pipelines(self, plan, pipelines: frozenset) -> None:
+        """A failure cut the pipelines `pipelines` of `plan` (RunLoop._finish_without): this
+        process's live replicas of theirs drop the iteration, undoing a step they took (their
+        group is out until it heals from a live one), and what they left in flight is dropped."""
+        for w, held in plan.holds.items():
+            worker = self.workers.get(w)
+            if worker is not None and worker.alive and any(d in pipelines for d, _ in held):
+                for replica in worker.replicas.values():
+                    _abandon(replica)
+        self._clear_transport()
+
+    def _clear_transport(self) -> None:
         clear = getattr(self.transport, "clear", None)
         if clear is not None:
             clear()  # messages and reductions in flight are lost with the iteration
-        return undone
 
     # -- memory ---------------------------------------------------------------------------------
     def _track_memory(self) -> None:
@@ -294,6 +306,20 @@ def load_shards(replicas, shards, device=None) -> None:
         except KeyError as missing:
             raise ResultError("unrecoverable", f"parameter {missing} survived in no checkpoint or "
                               "replica: every copy of it was lost") from None
+
+
+def _abandon(replica) -> int:
+    """One replica drops the iteration in flight: a sync a death cut is put back (the state
+    after the step), a step it took is undone. 1 if it undid a step."""
+    if replica.pre_sync is not None:
+        kept, replica.pre_sync = replica.pre_sync, None
+        replica.load(kept["model"], kept["optim"], outer=kept.get("outer"), keep_undo=True)
+    undone = 0
+    if replica.undo.recorded:
+        replica.undo.undo()
+        undone = 1
+    replica.reset_iteration()
+    return undone
 
 
 class IterationSamples:
