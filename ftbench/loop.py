@@ -454,10 +454,11 @@ class RunLoop:
         replica groups it does not touch wait on no other group until the sync, so they finish
         the iteration's local step (nothing of theirs is undone) and its sync among themselves
         (the backend's `finish_without`); the iteration counts their samples. The strategy
-        recovers at the iteration's end, as at the next one's start. The metrics line says how
-        many optimizer steps had completed when it struck (`stepped`) and which pipelines
-        finished (`finished`). Should another death cut the survivors' sync (dist), they roll
-        the iteration back as from any death found in it, and it is redone."""
+        recovers at the iteration's end, as at the next one's start (after the last iteration
+        too, so the run ends on the live groups). The metrics line says how many optimizer
+        steps had completed when it struck (`stepped`) and which pipelines finished
+        (`finished`). Should another death cut the survivors' sync (dist), they roll the
+        iteration back as from any death found in it, and it is redone."""
         completed = self._point(timeline, fraction) if self.backend.cuts_ops else frozenset()
         holds, it = self.plan.holds, self.it
         touched = frozenset(d for w in dead for d, _ in holds.get(w, ()))
@@ -489,13 +490,18 @@ class RunLoop:
         self.kept.add(it, 1, T if self.modelled else measured)
         self.ledger.add(it, 1, sample_ranges(self.plan, self.ctx.microbatch_size, touched))
         self.it += 1
-        self.log({"event": "iteration", "iteration": it, "loss": loss, "iteration_s": measured,
-                  "time_s": self.now(), "samples": self.ledger.samples(), "plan": self.plan.name,
-                  "without": sorted(touched)})
+        if self.backend.jumps:  # (as sim logs its iterations)
+            self.log({"event": "iterations", "first": it, "last": it, "count": 1, "iteration_time_s": T,
+                      "checkpoints": 0, "time_s": self.now(), "samples": self.ledger.samples(),
+                      "plan": self.plan.name, "without": sorted(touched)})
+        else:
+            self.log({"event": "iteration", "iteration": it, "loss": loss, "iteration_s": measured,
+                      "time_s": self.now(), "samples": self.ledger.samples(), "plan": self.plan.name,
+                      "without": sorted(touched)})
         if self.progress is not None:
             self.progress(self.it, self.now())
-        if self.it < self.ctx.iterations:
-            self._ask_strategy(FailureEvent(event.node, iteration=self.it))
+        # (after the last iteration too: the final weights are the live groups')
+        self._ask_strategy(FailureEvent(event.node, iteration=self.it))
 
     def _workers_on(self, node: int) -> list[int]:
         """The plan's workers on `node`, in the plan's order: where at most one, the node's

@@ -419,6 +419,22 @@ def test_torchft_diloco_puts_back_a_sync_that_a_death_cut(tmp_path):
     assert summary["matches_fault_free"] is True
 
 
+def test_torchft_diloco_group_a_scripted_failure_leaves_alone_finishes_the_iteration(tmp_path):
+    """DiLoCo under torchft, a sync every 2 steps: node 1 (ranks 2 and 3, replica group 1)
+    fails at 0.97 of iteration 1, a sync iteration, once every stage has stepped. Group 0
+    finishes the iteration and syncs alone, nothing undone, and the quorum without group 1 is
+    agreed at its end; no iteration is redone, and training is fault-free training replayed
+    under the run's ledger bit for bit (float32)."""
+    summary, lines = run_dist(tmp_path, "strategy=torchft", "cluster.gpus_per_node=2", "cluster.spares=1",
+                              "train.data_parallel=diloco", "train.sync_every=2",
+                              "failures.events=[{iteration:1,node:1,at:0.97}]")
+    fail, = [r for r in lines if r["event"] == "fail"]
+    assert (fail["iteration"], fail["finished"], "undone" in fail) == (1, [0], False) and fail["stepped"] > 0
+    assert [r["iteration"] for r in lines if r["event"] == "iteration"] == list(range(6))
+    assert summary["recoveries"][0]["iteration"] == 2 and summary["syncs"][0][:4] == [1, 5, [0], []]
+    assert summary["matches_fault_free"] is True and summary["fault_free_difference_max"]["weights"] == 0
+
+
 @pytest.mark.full
 def test_dist_agrees_with_sim_under_diloco(tmp_path):
     """torchft under DiLoCo on the conformance setup: group 1 leaves in iteration 4 and is back

@@ -180,6 +180,16 @@ def test_a_failure_mid_schedule_leaves_the_other_groups_to_finish(tmp_path):
     assert local["fault_free_difference_max"] == {**local["fault_free_difference_max"], "loss": 0.0, "weights": 0.0}
 
 
+def test_a_failure_in_the_last_iteration_ends_the_run_on_the_live_groups(tmp_path):
+    """Group 1 fails half-way through the last iteration: group 0 finishes it and its sync, and
+    the run recovers once more, so its final weights are the live group's."""
+    summary = run(tmp_path, "backend=local", "backend.clock=model", *TINY, "cluster.dp=2", "train.iterations=3",
+                  "train.data_parallel=diloco", "train.sync_every=2", "strategy=torchft", "failures=scripted",
+                  "failures.events=[{iteration:2,node:3}]")
+    assert summary["status"] == "ok" and summary["iterations"] == 3 and summary["recoveries"][-1]["shape"] == "pp=2 dp=1"
+    assert summary["syncs"][-1][:4] == [2, 2, [0], []] and summary["matches_fault_free"] is True
+
+
 def test_sim_charges_the_whole_iteration_a_failure_leaves_alone_and_no_redo(tmp_path):
     """On sim, torchft under DiLoCo: the iteration struck half-way counts whole for the groups
     that finish it, and nothing is redone; synchronous torchft loses the half and redoes it."""
