@@ -47,6 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from ftbench.local_sgd import LOCAL  # noqa: E402
 from ftbench.strategies import REGISTRY  # noqa: E402
 
 # Every registered strategy but the baseline (a death ends `none`), with the settings its
@@ -88,8 +89,8 @@ def trial(strategy: str, node: int, iteration: int, folder: Path, ops: int | Non
     failure = (f"failures.events=[{{iteration:{iteration},node:{node}}}]" if ops is None else
                f"backend.kill={node}:{iteration}:{ops}")
     # a second death may need a second standby (checkpoint restart replaces every failed node)
-    during = () if also is None else (f"backend.kill={also}:{iteration}:recovery", "backend.timeout_s=10",
-                                      "cluster.spares=2")
+    during = () if also is None else (f"backend.kill={also}:{recovered_at(strategy, iteration, extra)}:recovery",
+                                      "backend.timeout_s=10", "cluster.spares=2")
     started = time.monotonic()
     try:
         subprocess.run([sys.executable, "-m", "ftbench", "backend=dist", f"strategy={strategy}", *SETUP,
@@ -136,6 +137,15 @@ def rendezvous_s() -> float:
 
 
 MODES = ("scripted", "unannounced", "during-recovery")
+
+
+def recovered_at(strategy: str, iteration: int, extra: tuple[str, ...]) -> int:
+    """The iteration at which the recovery from a scripted failure in `iteration` is performed:
+    that one, or the next where the groups it leaves alone finish it first (torchft under
+    LocalSGD or DiLoCo: Strategy.finishes_local_step)."""
+    algorithm = next((x.split("=", 1)[1] for x in extra if x.startswith("train.data_parallel=")), "synchronous")
+    finishes = algorithm in LOCAL and REGISTRY[strategy].finishes_local_step
+    return iteration + 1 if finishes else iteration
 
 
 def draw(rng: random.Random, mode: str) -> tuple[str, int, int, int | None, int | None]:

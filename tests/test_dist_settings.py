@@ -40,8 +40,13 @@ def test_bad_unannounced_settings_are_refused(tmp_path, override, message):
      "no checkpoint follows iteration 2: strategy checkpoint saves every 2 iterations, after iterations [1]"),
     (("strategy=oobleck", "backend.kill=1:1:save"), "strategy oobleck writes no checkpoint"),
     (("failures=scripted", "failures.events=[{iteration:2,node:1}]", "backend.kill=3:1:recovery"),
-     "no recovery is performed at iteration 1: the failure script has events at iterations [2]"),
+     "no recovery is performed at iteration 1: the failure script's are at iterations [2]"),
     (("backend.stall=0:1:3",), "no recovery is performed at iteration 1: the failure script has no event"),
+    # torchft under DiLoCo recovers from a failure in iteration 1 at 2 (the groups it leaves
+    # alone finish 1 first), and at no other
+    (("strategy=torchft", "train.data_parallel=diloco", "train.sync_every=2", "failures=scripted",
+      "failures.events=[{iteration:1,node:1}]", "backend.kill=3:3:recovery"),
+     "no recovery is performed at iteration 3: the failure script's are at iterations [1, 2]"),
     (("backend.stall=7:1:3",), "rank 7 does not exist"),
 ])
 def test_a_kill_that_can_never_strike_is_refused(tmp_path, overrides, message):

@@ -23,6 +23,7 @@ from ftbench.checkpoint_schedule import checkpoint_tiers
 from ftbench.distributed.membership import log
 from ftbench.distributed.protocol import IN_JOB_ENV, job_nodes
 from ftbench.errors import ConfigError
+from ftbench.local_sgd import LOCAL
 
 SAVE = "save"  # backend.kill=RANK:ITERATION:save: the death strikes in the checkpoint after ITERATION
 RECOVERY = "recovery"  # backend.kill=RANK:ITERATION:recovery: in the recovery performed at ITERATION
@@ -126,7 +127,7 @@ def check_settings(cfg, strategy) -> None:
             raise ConfigError("backend.stall", f"iteration {parsed[1]} is past the run's {cfg.train.iterations} "
                               "iterations", "pick an iteration the run reaches")
         _check_rank(cfg, "backend.stall", parsed[0])
-        _check_recovery_at(cfg, "backend.stall", parsed[1])
+        _check_recovery_at(cfg, strategy, "backend.stall", parsed[1])
 
 
 def _check_kill_fires(cfg, strategy, rank: int, iteration: int, where) -> None:
@@ -134,7 +135,7 @@ def _check_kill_fires(cfg, strategy, rank: int, iteration: int, where) -> None:
     strike is refused, not silently skipped."""
     _check_rank(cfg, "backend.kill", rank)
     if where == RECOVERY:
-        _check_recovery_at(cfg, "backend.kill", iteration)
+        _check_recovery_at(cfg, strategy, "backend.kill", iteration)
     elif where == SAVE:
         _check_checkpoint_after(cfg, strategy, iteration)
 
@@ -151,17 +152,23 @@ def _check_rank(cfg, setting: str, rank: int) -> None:
                           f"name a rank below {ranks}")
 
 
-def _check_recovery_at(cfg, setting: str, iteration: int) -> None:
-    """A recovery is performed at `iteration` only where the failure script has an event then
-    (with times rather than iterations, it may be anywhere)."""
+def _check_recovery_at(cfg, strategy, setting: str, iteration: int) -> None:
+    """A recovery is performed at `iteration` only where the failure script has an event then,
+    or a failure the iteration before whose untouched groups finish it first (torchft under
+    LocalSGD or DiLoCo: Strategy.finishes_local_step); with times rather than iterations, it
+    may be anywhere."""
     events = list(cfg.failures.events or ()) if cfg.failures.kind == "scripted" else []
     if any(e.get("iteration") is None for e in events):
         return
-    at = sorted({int(e["iteration"]) for e in events})
+    at = {int(e["iteration"]) for e in events}
+    if cfg.train.get("data_parallel", "synchronous") in LOCAL and getattr(strategy, "finishes_local_step", False):
+        at |= {int(e["iteration"]) + 1 for e in events if (e.get("kind") or "fail") == "fail"}
+    at = sorted(at)
     if iteration not in at:
-        raise ConfigError(setting, f"no recovery is performed at iteration {iteration}: the failure script has "
-                          + (f"events at iterations {at}" if at else "no event"),
-                          "pick the iteration of a scripted failure or join")
+        raise ConfigError(setting, f"no recovery is performed at iteration {iteration}: "
+                          + (f"the failure script's are at iterations {at}" if at else "the failure script has no event"),
+                          "pick the iteration of a recovery: a scripted failure's or join's (torchft under LocalSGD "
+                          "or DiLoCo: the one after a failure's)")
 
 
 def _check_checkpoint_after(cfg, strategy, iteration: int) -> None:
