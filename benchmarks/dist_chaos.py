@@ -47,7 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from ftbench.local_sgd import LOCAL  # noqa: E402
+from ftbench.local_sgd import finishes_iteration  # noqa: E402
 from ftbench.strategies import REGISTRY  # noqa: E402
 
 # Every registered strategy but the baseline (a death ends `none`), with the settings its
@@ -144,8 +144,7 @@ def recovered_at(strategy: str, iteration: int, extra: tuple[str, ...]) -> int:
     that one, or the next where the groups it leaves alone finish it first (torchft under
     LocalSGD or DiLoCo: Strategy.finishes_local_step)."""
     algorithm = next((x.split("=", 1)[1] for x in extra if x.startswith("train.data_parallel=")), "synchronous")
-    finishes = algorithm in LOCAL and REGISTRY[strategy].finishes_local_step
-    return iteration + 1 if finishes else iteration
+    return iteration + 1 if finishes_iteration(REGISTRY[strategy], algorithm) else iteration
 
 
 def draw(rng: random.Random, mode: str) -> tuple[str, int, int, int | None, int | None]:

@@ -167,8 +167,8 @@ class JournaledBackend:
     def run_iteration(self, plan, iteration):
         return self._call("run_iteration", plan, iteration)
 
-    def finish_without(self, plan, iteration, completed, dead_workers, touched):
-        return self._call("finish_without", plan, iteration, completed, dead_workers, touched)
+    def finish_without(self, plan, iteration, finishing, dead_workers, touched):
+        return self._call("finish_without", plan, iteration, finishing, dead_workers, touched)
 
     def strike(self, plan, iteration, completed, dead_workers):
         return self._call("strike", plan, iteration, completed, dead_workers)

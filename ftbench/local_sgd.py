@@ -71,6 +71,13 @@ def local_steps(train, counts: tuple = (), microbatch_size: int = 1) -> LocalSte
                       float(train.outer_momentum), tuple(ranges))
 
 
+def finishes_iteration(strategy, algorithm: str) -> bool:
+    """Whether a failure leaves the groups it does not touch to finish the iteration in flight
+    (and the strategy recovers after it): `strategy` (class or instance) sets
+    `finishes_local_step` and `algorithm` (train.data_parallel) is LocalSGD or DiLoCo."""
+    return algorithm in LOCAL and getattr(strategy, "finishes_local_step", False)
+
+
 def groups(plan) -> tuple[int, ...]:
     """Each pipeline's replica group: its first micro-batch in the iteration's numbering, the
     same whichever plan the group runs in (ftbench.samples.pipeline_offsets)."""

@@ -34,6 +34,7 @@ from ftbench.errors import ReplayUnavailable, TooFewNodes, UserError
 from ftbench.events import EventQueue
 from ftbench.failures import ITERATION_EVENT_FRACTION, FailureEvent, FailureScript
 from ftbench.journal import Journal, JournaledBackend
+from ftbench.local_sgd import finishes_iteration
 from ftbench.outcome import RunOutcome
 from ftbench.plan import Plan, checkpoint_writers
 from ftbench.recovery_costs import SaveCost, action_seconds
@@ -61,10 +62,12 @@ class Backend(Protocol):
     def run_iteration(self, plan: Plan, iteration: int) -> float | None:
         """Train one whole iteration of `plan`; its loss (None where nothing is computed)."""
 
-    def finish_without(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int],
+    def finish_without(self, plan: Plan, iteration: int, finishing: frozenset, dead_workers: list[int],
                        touched: frozenset) -> float | None:
-        """A failure cuts the pipelines `touched` at `completed` (Strategy.finishes_local_step):
-        the others finish the iteration and its sync among themselves; their loss."""
+        """A failure cuts the pipelines `touched` (Strategy.finishes_local_step): the ops in
+        `finishing` run (those completed when it struck, and all of the other pipelines'),
+        `dead_workers` lose their state, and the others end the iteration, its sync among
+        themselves; their loss."""
 
     def strike(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int]) -> int | None:
         """A failure: the ops in `completed` of `iteration` have run (optimizer steps among
@@ -416,9 +419,9 @@ class RunLoop:
         resolved point: the same on every backend that cuts) and how many replicas the
         backend undid (`undone`)."""
         dead = self._workers_on(event.node)
-        untouched = self._untouched(dead) if fraction > 0 else frozenset()
-        if untouched:
-            self._finish_without(event, fraction, timeline, T, dead)
+        touched = frozenset(d for w in dead for d, _ in self.plan.holds.get(w, ()))
+        if fraction > 0 and self._finishes(touched):
+            self._finish_without(event, fraction, timeline, T, dead, touched)
             return
         if self.modelled:
             self.t += fraction * T
@@ -438,18 +441,15 @@ class RunLoop:
         self._lose_unpersisted(event.node)
         self._ask_strategy(event)
 
-    def _untouched(self, dead: list[int]) -> frozenset:
-        """The pipelines of the plan a failure of `dead` leaves alone, where the strategy lets
-        them finish the iteration (Strategy.finishes_local_step, under LocalSGD or DiLoCo);
-        else none."""
-        if self.ctx.local_steps is None or not getattr(self.strategy, "finishes_local_step", False):
-            return frozenset()
-        holds = self.plan.holds
-        touched = {d for w in dead for d, _ in holds.get(w, ())}
-        return frozenset(d for held in holds.values() for d, _ in held) - touched
+    def _finishes(self, touched: frozenset) -> bool:
+        """Whether the pipelines a failure leaves alone finish the iteration in flight: the
+        strategy lets them (ftbench.local_sgd.finishes_iteration) and some are left."""
+        if self.ctx.local_steps is None or not finishes_iteration(self.strategy, self.ctx.local_steps.algorithm):
+            return False
+        return any(d not in touched for held in self.plan.holds.values() for d, _ in held)
 
     def _finish_without(self, event: FailureEvent, fraction: float, timeline: SimResult, T: float,
-                        dead: list[int]) -> None:
+                        dead: list[int], touched: frozenset) -> None:
         """A failure `fraction` into the iteration under torchft's LocalSGD or DiLoCo: the
         replica groups it does not touch wait on no other group until the sync, so they finish
         the iteration's local step (nothing of theirs is undone) and its sync among themselves
@@ -460,8 +460,10 @@ class RunLoop:
         (`finished`). Should another death cut the survivors' sync (dist), they roll the
         iteration back as from any death found in it, and it is redone."""
         completed = self._point(timeline, fraction) if self.backend.cuts_ops else frozenset()
-        holds, it = self.plan.holds, self.it
-        touched = frozenset(d for w in dead for d, _ in holds.get(w, ()))
+        # what runs: the ops completed by then, and every op of the pipelines left alone
+        finishing = completed.union(op for ops in self.plan.schedule.ops.values() for op in ops
+                                    if op.pipeline not in touched) if self.backend.cuts_ops else frozenset()
+        it = self.it
         t_start, started = self.t, self._wall()
         if self.modelled:
             self.t += fraction * T
@@ -471,14 +473,14 @@ class RunLoop:
         if self.backend.cuts_ops:
             fail["stepped"] = sum(op.kind == OPT for op in completed)
         try:
-            loss = self.backend.finish_without(self.plan, it, completed, dead, touched)
+            loss = self.backend.finish_without(self.plan, it, finishing, dead, touched)
         except FailuresDiscovered as found:  # dist: a death cut the survivors' sync, rolled back
             self.log(fail)
             self._lose_unpersisted(event.node)
             self._ask_strategy(event)
             self._discovered(found)
             return
-        fail["finished"] = sorted(self._untouched(dead))
+        fail["finished"] = sorted({d for held in self.plan.holds.values() for d, _ in held} - touched)
         self.log(fail)  # (after the backend: on dist the leader may be among the dead)
         self._lose_unpersisted(event.node)
         measured = self._wall() - started

@@ -142,14 +142,12 @@ class DistBackend:
             return 0  # nothing stepped: no rank undid anything (and no sum to wait for)
         return self._job_undone(undone, f"the failure in iteration {iteration}")
 
-    def finish_without(self, plan, iteration, completed, dead_workers, touched) -> float:
-        """RunLoop._finish_without on dist: the failed node's processes die at `completed`,
-        the pipelines it does not touch run the rest of their ops, the survivors regroup, and
-        the untouched pipelines end the iteration, its sync among themselves
+    def finish_without(self, plan, iteration, finishing, dead_workers, touched) -> float:
+        """RunLoop._finish_without on dist: every rank runs its ops in `finishing` (the failed
+        node's then die, the pipelines it does not touch run to their end), the survivors
+        regroup, and the untouched pipelines end the iteration, its sync among themselves
         (DistEngine.finish_without). A death found meanwhile rolls the iteration back
         (FailuresDiscovered), as in any iteration."""
-        finishing = frozenset(completed).union(op for ops in plan.schedule.ops.values() for op in ops
-                                                if op.pipeline not in touched)
         node, victims = self._cut(plan, iteration, finishing, dead_workers)
         self._regroup(node, victims, iteration)
         try:

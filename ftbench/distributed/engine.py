@@ -29,7 +29,7 @@ from ftbench.engine.iteration_work import performing
 from ftbench.engine.log_file import replay_sources
 from ftbench.engine.transport import ACT
 from ftbench.errors import ResultError
-from ftbench.engine.executor import WorkerExecutor, in_chunk, step_members, sum_chunks, take_grads
+from ftbench.engine.executor import WorkerExecutor, in_chunk, pipeline_share, step_members, sum_chunks, take_grads
 from ftbench.engine.op_times import now as op_clock
 from ftbench.engine.state import EngineState, load_shards, newest_commits, on_cpu
 from ftbench.engine.worker import Worker
@@ -191,7 +191,7 @@ class DistEngine(EngineState):
         vector = torch.zeros(len(slots) + 2 * self.transport.world, dtype=torch.float64, device=self.device)
         for slot, (pipeline, out) in self._outs.items():
             if pipeline not in touched:
-                vector[slot] = out * (samples.per_pipeline[pipeline] / samples.normaliser)
+                vector[slot] = pipeline_share(out, pipeline, samples.per_pipeline, samples.normaliser)
         return self._end_iteration(plan, iteration, samples, vector, len(slots), without=touched)
 
     def _end_iteration(self, plan, iteration: int, tokens, vector, n_slots: int, timed: bool = False,

@@ -23,7 +23,7 @@ from ftbench.checkpoint_schedule import checkpoint_tiers
 from ftbench.distributed.membership import log
 from ftbench.distributed.protocol import IN_JOB_ENV, job_nodes
 from ftbench.errors import ConfigError
-from ftbench.local_sgd import LOCAL
+from ftbench.local_sgd import finishes_iteration
 
 SAVE = "save"  # backend.kill=RANK:ITERATION:save: the death strikes in the checkpoint after ITERATION
 RECOVERY = "recovery"  # backend.kill=RANK:ITERATION:recovery: in the recovery performed at ITERATION
@@ -161,7 +161,7 @@ def _check_recovery_at(cfg, strategy, setting: str, iteration: int) -> None:
     if any(e.get("iteration") is None for e in events):
         return
     at = {int(e["iteration"]) for e in events}
-    if cfg.train.get("data_parallel", "synchronous") in LOCAL and getattr(strategy, "finishes_local_step", False):
+    if finishes_iteration(strategy, cfg.train.get("data_parallel", "synchronous")):
         at |= {int(e["iteration"]) + 1 for e in events if (e.get("kind") or "fail") == "fail"}
     at = sorted(at)
     if iteration not in at:

@@ -61,12 +61,12 @@ class LocalBackend:
         self.engine.destroy(dead_workers)
         return self.engine.abandon_iteration()
 
-    def finish_without(self, plan: Plan, iteration: int, completed: frozenset, dead_workers: list[int],
+    def finish_without(self, plan: Plan, iteration: int, finishing: frozenset, dead_workers: list[int],
                        touched: frozenset) -> float:
         """The pipelines a failure leaves alone finish the iteration and its sync; their loss
         (LocalEngine.finish_without)."""
         self._use(plan)
-        return self.engine.finish_without(iteration, completed, dead_workers, touched)
+        return self.engine.finish_without(iteration, finishing, dead_workers, touched)
 
     def perform(self, actions, old: Plan, new: Plan, iteration: int) -> int | None:
         """The recovery actions, one after the other, each by its method (ftbench.actions.PERFORMERS);

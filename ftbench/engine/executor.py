@@ -49,13 +49,19 @@ class IterationResult:
     outs: tuple = ()
 
 
+def pipeline_share(out, pipeline: int, per_pipeline, normaliser: float):
+    """LocalSGD or DiLoCo: a pipeline's own mean loss `out` as its share of the iteration's mean
+    over every sample that counts."""
+    return out * (per_pipeline[pipeline] / normaliser)
+
+
 def finished_loss(outs, samples) -> float:
     """The iteration's mean loss over the samples that count in `samples` (IterationSamples,
-    LocalSGD or DiLoCo), from the pipelines' own means `outs`: each rescaled as
-    WorkerExecutor._share does, in the same order (a pipeline that does not count adds 0)."""
+    LocalSGD or DiLoCo), from the pipelines' own means `outs`, summed in their order (a
+    pipeline that does not count adds 0)."""
     loss = None
     for pipeline, out in outs:
-        share = out * (samples.per_pipeline[pipeline] / samples.normaliser)
+        share = pipeline_share(out, pipeline, samples.per_pipeline, samples.normaliser)
         loss = share if loss is None else loss + share
     return 0.0 if loss is None else float(loss)
 
@@ -113,7 +119,7 @@ class WorkerExecutor:
         share = out.detach().to(torch.float64)
         if self.per_pipeline is not None:
             self.outs.append((pipeline, share))
-            share = share * (self.per_pipeline[pipeline] / self.normaliser)
+            share = pipeline_share(share, pipeline, self.per_pipeline, self.normaliser)
         return share
 
     def replica(self, pipeline: int, stage: int) -> StageReplica:

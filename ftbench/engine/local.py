@@ -111,14 +111,12 @@ class LocalEngine(EngineState):
                 log.seal(iteration)
         return result
 
-    def finish_without(self, iteration: int, completed: frozenset, dead, touched: frozenset) -> float:
-        """A failure cut the pipelines `touched` at `completed` (RunLoop._finish_without): the
-        other pipelines run the rest of their ops, their local steps stand, `dead` lose their
-        state, the touched pipelines' live replicas drop the iteration, and the iteration's
-        sync (if due) joins the others. The loss over their samples."""
+    def finish_without(self, iteration: int, finishing: frozenset, dead, touched: frozenset) -> float:
+        """A failure cut the pipelines `touched` (RunLoop._finish_without): the ops in
+        `finishing` run (the other pipelines' to their end: their local steps stand), `dead`
+        lose their state, the touched pipelines' live replicas drop the iteration, and the
+        iteration's sync (if due) joins the others. The loss over their samples."""
         plan = self.plan
-        finishing = frozenset(completed).union(op for ops in plan.schedule.ops.values() for op in ops
-                                                if op.pipeline not in touched)
         result = self.run_iteration(iteration, completed=finishing)
         self.destroy(dead)
         self.abandon_pipelines(plan, touched)

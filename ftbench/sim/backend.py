@@ -50,7 +50,7 @@ class SimBackend:
     def iteration_time(self, plan: Plan, iteration: int, measured: float) -> float:
         return measured  # (the simulator's clock is modelled: the loop does not ask)
 
-    def finish_without(self, plan, iteration, completed, dead_workers, touched) -> None:
+    def finish_without(self, plan, iteration, finishing, dead_workers, touched) -> None:
         return None  # the loop charges the whole iteration; no loss is computed
 
     def strike(self, plan, iteration, completed, dead_workers) -> None:
